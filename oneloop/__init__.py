@@ -1,0 +1,20 @@
+"""oneloop: one asynchronous RL training loop for tool-using LLM agents.
+
+The same loop trains on a local Ray cluster (`backend: local`) or on a remote Tinker service
+(`backend: tinker`). See DESIGN notes in the README.
+"""
+
+import os
+
+# Offline defaults for the libraries we start (Harbor, LiteLLM through Harbor, the tinker SDK, the
+# Hugging Face hub). `setdefault` so a user who wants telemetry or the hub can still opt in.
+for _key, _value in (
+    ("HARBOR_TELEMETRY", "0"),
+    ("LITELLM_LOCAL_MODEL_COST_MAP", "True"),
+    ("TINKER_TELEMETRY", "0"),
+    ("HF_HUB_OFFLINE", "1"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+):
+    os.environ.setdefault(_key, _value)
+
+__version__ = "0.1.0"
