@@ -1,0 +1,96 @@
+"""What each backend can do, and the check that turns an unsupported knob into an error up front.
+
+A knob a backend cannot honour is a `CapabilityError` naming the knob before a run starts, never a
+silent no-op. `tinker_remote` refines its row with the server's `get_server_capabilities` answer.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from oneloop.errors import CapabilityError
+
+# Tinker's built-in losses that both backends implement with the same (sum) definitions.
+BUILTIN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """One backend's supported knobs."""
+
+    backend: str
+    losses: frozenset[str]
+    sampler_kinds: frozenset[str]
+    lora: bool
+    full_finetune: bool
+    max_lora_rank: int
+    sampled_logprobs: bool = True
+    """Whether `sample` returns per-token logprobs of sampled tokens."""
+    models: frozenset[str] = field(default_factory=frozenset)
+    """Known base models; empty = not enumerable (any name is tried)."""
+
+    def check(
+        self,
+        *,
+        loss_fns: Iterable[str] = (),
+        sampler_kind: str | None = None,
+        lora_rank: int | None = None,
+        base_model: str | None = None,
+    ) -> None:
+        """Raise CapabilityError naming the first knob this backend cannot honour."""
+        for loss_fn in loss_fns:
+            if loss_fn not in self.losses:
+                raise CapabilityError(
+                    f"loss_fn={loss_fn!r} is not supported by backend {self.backend!r}; "
+                    f"supported: {sorted(self.losses)}"
+                )
+        if sampler_kind is not None and sampler_kind not in self.sampler_kinds:
+            raise CapabilityError(
+                f"sampler kind {sampler_kind!r} is not supported by backend {self.backend!r}; "
+                f"supported: {sorted(self.sampler_kinds)}"
+            )
+        if lora_rank is not None:
+            if lora_rank < 0:
+                raise CapabilityError(
+                    f"lora_rank must be >= 0 (0 = full fine-tuning), got {lora_rank}"
+                )
+            if lora_rank == 0 and not self.full_finetune:
+                raise CapabilityError(
+                    f"lora_rank=0 (full fine-tuning) is not supported by backend {self.backend!r}"
+                )
+            if lora_rank > 0 and not self.lora:
+                raise CapabilityError(f"LoRA is not supported by backend {self.backend!r}")
+            if lora_rank > self.max_lora_rank:
+                raise CapabilityError(
+                    f"lora_rank={lora_rank} exceeds backend {self.backend!r}'s maximum "
+                    f"{self.max_lora_rank}"
+                )
+        if base_model is not None and self.models and base_model not in self.models:
+            raise CapabilityError(
+                f"base_model={base_model!r} is not offered by backend {self.backend!r}; "
+                f"offered: {sorted(self.models)}"
+            )
+
+
+def local_capabilities(max_lora_rank: int, models: Iterable[str] = ()) -> Capabilities:
+    """The local Ray backend: every built-in loss, both sampler kinds, LoRA and full fine-tuning."""
+    return Capabilities(
+        backend="local",
+        losses=BUILTIN_LOSSES,
+        sampler_kinds=frozenset({"snapshot", "inflight"}),
+        lora=True,
+        full_finetune=True,
+        max_lora_rank=max_lora_rank,
+        models=frozenset(models),
+    )
+
+
+# Thinking Machines' service as documented for SDK 0.38: LoRA only; rank 128 is the largest it
+# documents. `tinker_remote` narrows `models` from the server's own answer.
+TINKER_SERVICE = Capabilities(
+    backend="tinker",
+    losses=BUILTIN_LOSSES,
+    sampler_kinds=frozenset({"snapshot", "inflight"}),
+    lora=True,
+    full_finetune=False,
+    max_lora_rank=128,
+)

@@ -1,0 +1,84 @@
+"""The backend section of every oneloop config: which backend, and how to reach or build it.
+
+Validated when parsed (pydantic, unknown keys rejected); errors name the dotted path of the field.
+A sub-config is only read by its backend: `local` by `megatron_local`, `tinker` by `tinker_remote`.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from oneloop.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalBackendConfig(_Strict):
+    """How the local (Ray) backend builds its engines."""
+
+    trainer_engine: Literal["torch", "megatron"] = "torch"
+    """Trainer engine: `torch` (transformers, CPU or GPU) or `megatron` (megatron-core, GPU)."""
+    sampler_engine: Literal["torch", "vllm"] = "torch"
+    """Sampler engine: `torch` (transformers generation) or `vllm` (GPU)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype of both engines."""
+    max_tokens_per_microbatch: int = Field(default=16384, gt=0)
+    """Token budget (padded tokens) of one trainer micro-batch."""
+    torch_threads: int | None = Field(default=None, gt=0)
+    """torch intra-op threads per actor; None = every core of the host."""
+    max_snapshots: int = Field(default=8, gt=0)
+    """Snapshot weight sets a sampler keeps in memory; older ones are evicted (requests then fail clearly)."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster; None starts a local one (`ray.init`)."""
+    ray_num_cpus: int | None = Field(default=None, gt=0)
+    """CPUs a locally started Ray advertises; None = Ray's default (the host's cores)."""
+    max_lora_rank: int = Field(default=256, gt=0)
+    """Largest LoRA rank this deployment accepts (rank 0 = full fine-tuning)."""
+
+
+class TinkerBackendConfig(_Strict):
+    """How to reach a Tinker service (Thinking Machines' or any server speaking its protocol)."""
+
+    base_url: str | None = None
+    """Service URL; None = the SDK's default (TINKER_BASE_URL or Thinking Machines' service)."""
+    api_key: str | None = Field(default=None, repr=False)
+    """API key; None = the SDK reads TINKER_API_KEY."""
+    max_retries: int = Field(default=5, ge=0)
+    """Retries of a failed request (connection errors, 5xx, 429) before it is an error."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Per-request HTTP timeout in seconds."""
+
+
+class BackendConfig(_Strict):
+    """Selects and configures the backend `connect` returns a ServiceClient for."""
+
+    backend: Literal["local", "tinker"] = "local"
+    """`local` = Ray cluster of our engines; `tinker` = the official SDK against `tinker.base_url`."""
+    run_dir: Path = Path("runs/backend")
+    """Local backend: directory under which `tinker://<run>/...` checkpoints are stored."""
+    models: dict[str, Path] = Field(default_factory=dict)
+    """Local backend: base-model name -> local Hugging Face directory (a name that is a directory works too)."""
+    local: LocalBackendConfig = LocalBackendConfig()
+    """Settings of the local backend."""
+    tinker: TinkerBackendConfig = TinkerBackendConfig()
+    """Settings of the remote (tinker) backend."""
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the dotted path of the offending key."""
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in (prefix, *item["loc"]) if part != "")
+        lines.append(f"{path or '<root>'}: {item['msg']} (got {item.get('input')!r})")
+    return "; ".join(lines)
+
+
+def parse_backend_config(raw: dict, prefix: str = "backend") -> BackendConfig:
+    """Validate a mapping into a BackendConfig; errors are ConfigError naming dotted paths."""
+    try:
+        return BackendConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, prefix)) from None

@@ -1,0 +1,621 @@
+"""The local backend's ServiceClient, TrainingClient and SamplingClient: the Tinker SDK's surface.
+
+Same method names, signatures and result types (`tinker.types`) as tinker 0.38's clients; calls
+return the SDK's `AwaitableConcurrentFuture` (awaitable, `.result()`). Requests are validated here,
+at the edge, and converted to numpy (`engines.base`) before they reach an actor. A model's trainer
+calls are submitted to its Ray actor in call order, so they run in submission order.
+"""
+
+import itertools
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from tinker import types
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from oneloop.backends.capabilities import Capabilities, local_capabilities
+from oneloop.backends.config import BackendConfig
+from oneloop.backends.megatron_local import losses
+from oneloop.backends.megatron_local.actors import SamplerActor, TrainerActor
+from oneloop.backends.megatron_local.engines.base import (
+    DatumArrays,
+    ForwardResult,
+    LoraSpec,
+    SampleOutput,
+    SampleRequest,
+)
+from oneloop.backends.megatron_local.futures import chain, completed
+from oneloop.backends.megatron_local.paths import TinkerPath, check_component
+from oneloop.backends.sequence_ids import make_sequence_id
+from oneloop.errors import CapabilityError, RequestError
+
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
+def datum_to_arrays(datum: types.Datum, loss_fn: str, index: int) -> DatumArrays:
+    """Validate one datum and convert it to numpy; errors name the field and the datum index."""
+    try:
+        tokens = np.asarray(datum.model_input.to_ints(), dtype=np.int64)
+    except Exception as error:
+        raise RequestError(f"data[{index}].model_input: only token chunks are supported ({error})")
+    arrays = {key: value.to_numpy() for key, value in datum.loss_fn_inputs.items()}
+    losses.validate_datum_inputs(loss_fn, len(tokens), arrays, index=index)
+    targets = arrays.pop("target_tokens").astype(np.int64)
+    inputs = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
+    return DatumArrays(tokens=tokens, targets=targets, inputs=inputs)
+
+
+def forward_output(result: ForwardResult) -> types.ForwardBackwardOutput:
+    """Engine result → the SDK's ForwardBackwardOutput (metrics keyed `name:reduction`)."""
+    return types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=[{"logprobs": types.TensorData.from_numpy(lp)} for lp in result.logprobs],
+        metrics={"loss:sum": result.loss, **result.metrics},
+    )
+
+
+def sample_request(
+    prompt: types.ModelInput,
+    num_samples: int,
+    params: types.SamplingParams,
+    include_prompt_logprobs: bool,
+    eos_ids: tuple[int, ...],
+    context_length: int,
+) -> SampleRequest:
+    """Validate a sample call and convert it to the engine's request."""
+    tokens = np.asarray(prompt.to_ints(), dtype=np.int64)
+    if len(tokens) == 0:
+        raise RequestError("prompt: must contain at least one token")
+    if num_samples < 1:
+        raise RequestError(f"num_samples: must be >= 1, got {num_samples}")
+    room = context_length - len(tokens)
+    if room < 1:
+        raise RequestError(
+            f"prompt: {len(tokens)} tokens leave no room in the model's context of {context_length}"
+        )
+    max_tokens = room if params.max_tokens is None else params.max_tokens
+    if max_tokens < 1:
+        raise RequestError(f"sampling_params.max_tokens: must be >= 1, got {max_tokens}")
+    if params.temperature < 0:
+        raise RequestError(f"sampling_params.temperature: must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise RequestError(f"sampling_params.top_p: must be in (0, 1], got {params.top_p}")
+    stop = params.stop
+    stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    if stop is None:
+        stop_ids = eos_ids
+    elif isinstance(stop, str):
+        stop_strings = (stop,)
+    elif all(isinstance(s, str) for s in stop):
+        stop_strings = tuple(stop)  # type: ignore[arg-type]
+    elif all(isinstance(s, int) for s in stop):
+        stop_ids = tuple(int(s) for s in stop)  # type: ignore[arg-type]
+    else:
+        raise RequestError(
+            "sampling_params.stop: must be a string, a list of strings or of token ids"
+        )
+    return SampleRequest(
+        prompt=tokens,
+        num_samples=num_samples,
+        max_tokens=min(max_tokens, room),
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop_token_ids=stop_ids,
+        stop_strings=stop_strings,
+        include_prompt_logprobs=include_prompt_logprobs,
+    )
+
+
+class LocalSamplingClient:
+    """A Tinker SamplingClient on a local sampler actor and one named weight set.
+
+    Picklable (it holds an actor handle and strings), so it can be sent to Ray tasks running trials.
+    """
+
+    def __init__(
+        self,
+        actor: Any,
+        key: str,
+        base_model: str,
+        model_path_local: str,
+        model_path: str | None,
+        eos_ids: tuple[int, ...],
+        context_length: int,
+        version: int,
+    ) -> None:
+        self._actor = actor
+        self._key = key
+        self.sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        self.base_model = base_model
+        self.model_path = model_path
+        self.version = version
+        self._model_dir = model_path_local
+        self._eos_ids = eos_ids
+        self._context_length = context_length
+        self._counter = itertools.count(int.from_bytes(os.urandom(4)))
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_counter"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._counter = itertools.count(int.from_bytes(os.urandom(4)))
+
+    def sample(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        for name, value in (
+            ("topk_prompt_logprobs", topk_prompt_logprobs),
+            ("topk_sample_logprobs", topk_sample_logprobs),
+            ("prompt_alt_tokens_k", prompt_alt_tokens_k),
+        ):
+            if value:
+                raise CapabilityError(f"{name} is not supported by the local backend's samplers")
+        if target_prompt_logprobs is not None or prompt_logprobs_last_n is not None:
+            raise CapabilityError(
+                "target_prompt_logprobs / prompt_logprobs_last_n are not supported by the local "
+                "backend's samplers"
+            )
+        request = sample_request(
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            self._eos_ids,
+            self._context_length,
+        )
+        first = next(self._counter) * 1024  # room for up to 1024 sequences per request
+        if num_samples > 1024:
+            raise RequestError(f"num_samples: at most 1024 per request, got {num_samples}")
+        namespace = self.sampler_id
+
+        def convert(out: SampleOutput) -> types.SampleResponse:
+            sequences = [
+                types.SampledSequence(
+                    stop_reason=seq.stop_reason,  # type: ignore[arg-type]
+                    sequence_id=make_sequence_id(namespace, out.version, first + i),
+                    tokens_np=seq.tokens,
+                    logprobs_np=seq.logprobs,
+                )
+                for i, seq in enumerate(out.sequences)
+            ]
+            return types.SampleResponse(sequences=sequences, prompt_logprobs_np=out.prompt_logprobs)
+
+        return chain(self._actor.sample.remote(self._key, request), convert)
+
+    def compute_logprobs(
+        self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
+    ) -> AwaitableConcurrentFuture[list[float | None]]:
+        tokens = np.asarray(prompt.to_ints(), dtype=np.int64)
+        if len(tokens) == 0:
+            raise RequestError("prompt: must contain at least one token")
+        if prompt_logprobs_last_n is not None and prompt_logprobs_last_n < 0:
+            raise RequestError("prompt_logprobs_last_n: must be >= 0")
+
+        def convert(values: np.ndarray) -> list[float | None]:
+            out: list[float | None] = [None if np.isnan(v) else float(v) for v in values]
+            if prompt_logprobs_last_n is not None:
+                cut = max(len(out) - prompt_logprobs_last_n, 0)
+                out[:cut] = [None] * cut
+            return out
+
+        return chain(self._actor.prompt_logprobs.remote(self._key, tokens), convert)
+
+    def get_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self._model_dir)
+
+    def get_base_model(self) -> str:
+        return self.base_model
+
+
+class LocalTrainingClient:
+    """A Tinker TrainingClient on one trainer actor (one training run)."""
+
+    def __init__(
+        self,
+        service: "LocalServiceClient",
+        actor: Any,
+        run_id: str,
+        base_model: str,
+        model_dir: Path,
+        lora: LoraSpec,
+    ) -> None:
+        self._service = service
+        self._actor = actor
+        self.model_id = run_id
+        self.run_id = run_id
+        self.base_model = base_model
+        self._model_dir = model_dir
+        self.lora = lora
+        self._snapshots = itertools.count(1)
+
+    # -- training --------------------------------------------------------------------------------
+
+    def _submit_forward(
+        self,
+        data: list[types.Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float | str] | None,
+        forward_only: bool,
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        self._service.capabilities.check(loss_fns=[loss_fn])
+        config = losses.validate_loss_config(loss_fn, loss_fn_config)
+        if not data:
+            raise RequestError("data: forward_backward needs at least one datum")
+        arrays = [datum_to_arrays(d, loss_fn, i) for i, d in enumerate(data)]
+        ref = self._actor.forward_backward.remote(arrays, loss_fn, config, forward_only)
+        return chain(ref, forward_output)
+
+    def forward(
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float | str] | None = None,
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        return self._submit_forward(data, loss_fn, loss_fn_config, forward_only=True)
+
+    def forward_backward(
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float | str] | None = None,
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        return self._submit_forward(data, loss_fn, loss_fn_config, forward_only=False)
+
+    def optim_step(
+        self,
+        optim_params: types.AdamParams | None = None,
+        *,
+        adam_params: types.AdamParams | None = None,
+    ) -> AwaitableConcurrentFuture[types.OptimStepResponse]:
+        if optim_params is not None and adam_params is not None:
+            raise RequestError("optim_step: pass optim_params or adam_params, not both")
+        params = optim_params if optim_params is not None else adam_params
+        if params is None:
+            raise RequestError("optim_step: AdamParams are required")
+        if not isinstance(params, types.AdamParams):
+            raise CapabilityError(
+                f"optim_step: the local backend implements AdamW only, got {type(params).__name__}"
+            )
+        values = {name: float(getattr(params, name)) for name in ADAM_FIELDS}
+        for name, value in values.items():
+            if not np.isfinite(value) or value < 0:
+                raise RequestError(f"adam_params.{name}: must be a finite number >= 0, got {value}")
+        ref = self._actor.optim_step.remote(values)
+        return chain(ref, lambda metrics: types.OptimStepResponse(metrics=metrics))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _meta(self, kind: str, name: str) -> dict:
+        return {
+            "kind": kind,
+            "name": name,
+            "run_id": self.run_id,
+            "base_model": self.base_model,
+            "model_dir": str(self._model_dir),
+            "lora_rank": self.lora.rank,
+            "train_mlp": self.lora.train_mlp,
+            "train_attn": self.lora.train_attn,
+            "train_unembed": self.lora.train_unembed,
+        }
+
+    def _new_checkpoint(self, kind: str, name: str, overwrite: bool) -> tuple[TinkerPath, Path]:
+        path = TinkerPath(self.run_id, kind, check_component(name, "name"))  # type: ignore[arg-type]
+        directory = path.directory(self._service.run_dir)
+        if directory.exists() and not overwrite:
+            raise RequestError(f"name: checkpoint {path} already exists (pass overwrite=True)")
+        directory.mkdir(parents=True, exist_ok=True)
+        return path, directory
+
+    def save_state(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: dict[str, str] | None = None,
+    ) -> AwaitableConcurrentFuture[types.SaveWeightsResponse]:
+        path, directory = self._new_checkpoint("weights", name, overwrite)
+        meta = {**self._meta("weights", name), "user_metadata": user_metadata or {}}
+        ref = self._actor.save_state.remote(str(directory), meta, True)
+        return chain(ref, lambda _: types.SaveWeightsResponse(path=str(path)))
+
+    def load_state(self, path: str) -> AwaitableConcurrentFuture[None]:
+        return self._load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> AwaitableConcurrentFuture[None]:
+        return self._load(path, with_optimizer=True)
+
+    def _load(self, path: str, with_optimizer: bool) -> AwaitableConcurrentFuture[None]:
+        directory = TinkerPath.parse(path).existing_directory(self._service.run_dir)
+        return chain(self._actor.load_state.remote(str(directory), with_optimizer), lambda _: None)
+
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None, user_metadata: dict[str, str] | None = None
+    ) -> AwaitableConcurrentFuture[types.SaveWeightsForSamplerResponse]:
+        path, directory = self._new_checkpoint("sampler_weights", name, overwrite=True)
+        ref = self._actor.save_sampler_weights.remote(
+            str(directory), self._meta("sampler_weights", name)
+        )
+        return chain(ref, lambda _: types.SaveWeightsForSamplerResponse(path=str(path)))
+
+    def save_weights_and_get_sampling_client(
+        self,
+        name: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+        kind: types.SamplingClientKind = "snapshot",
+    ) -> AwaitableConcurrentFuture[LocalSamplingClient]:
+        """Publish the current weights to the sampler and return a client on them.
+
+        `inflight`: one mutable weight set per training model, shared by all its inflight clients;
+        each returned client is a fresh namespace. `snapshot`: a fixed weight set kept in the
+        sampler's memory (at most `local.max_snapshots`; older ones fail clearly when used).
+        """
+        self._service.capabilities.check(sampler_kind=kind)
+        if record_stability_info:
+            raise CapabilityError("record_stability_info is not supported by the local backend")
+        key = (
+            f"inflight:{self.model_id}"
+            if kind == "inflight"
+            else f"snapshot:{self.model_id}:{next(self._snapshots)}"
+        )
+        sampler = self._service.sampler_actor(self._model_dir)
+        payload = self._actor.export_sampler_weights.remote()
+        installed = sampler.set_weights.remote(key, payload)
+        return chain(
+            installed,
+            lambda version: self._service.sampling_client(
+                sampler, key, self.base_model, self._model_dir, None, version
+            ),
+        )
+
+    def create_sampling_client(
+        self, model_path: str, retry_config: Any = None, record_stability_info: bool = False
+    ) -> AwaitableConcurrentFuture[LocalSamplingClient]:
+        return self._service.create_sampling_client(model_path=model_path)
+
+    # -- info ------------------------------------------------------------------------------------
+
+    def get_info(self) -> types.GetInfoResponse:
+        return types.GetInfoResponse(
+            model_id=self.model_id,
+            model_data=types.ModelData(
+                arch="qwen3", model_name=self.base_model, tokenizer_id=str(self._model_dir)
+            ),
+            is_lora=self.lora.rank > 0,
+            lora_rank=self.lora.rank or None,
+            model_name=self.base_model,
+        )
+
+    def get_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self._model_dir))
+
+
+class LocalServiceClient:
+    """A Tinker ServiceClient on a Ray cluster of our engines (`connect(BackendConfig(backend="local"))`)."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.run_dir = config.run_dir.resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.capabilities: Capabilities = local_capabilities(config.local.max_lora_rank, models=())
+        if not ray.is_initialized():
+            ray.init(
+                address=config.local.ray_address,
+                num_cpus=config.local.ray_num_cpus,
+                include_dashboard=False,
+                log_to_driver=True,
+                configure_logging=False,
+            )
+        self._samplers: dict[str, Any] = {}
+        self._sampler_info: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._trainers: list[Any] = []
+
+    # -- models ----------------------------------------------------------------------------------
+
+    def resolve_model(self, base_model: str) -> Path:
+        """A base-model name → its local Hugging Face directory (config.models, tiny, or a path)."""
+        if base_model in self.config.models:
+            return self.config.models[base_model].resolve()
+        from oneloop.tiny_model import TINY_MODEL_NAME, build_tiny_model
+
+        if base_model == TINY_MODEL_NAME:
+            return build_tiny_model()
+        if Path(base_model).is_dir():
+            return Path(base_model).resolve()
+        raise CapabilityError(
+            f"base_model={base_model!r} is not known to the local backend: add it under "
+            f"backend.models (name: local HF directory), use {TINY_MODEL_NAME!r}, or pass a path"
+        )
+
+    def _engine_options(self) -> dict:
+        local = self.config.local
+        return {"dtype": local.dtype, "threads": local.torch_threads}
+
+    def sampler_actor(self, model_dir: Path) -> Any:
+        """The sampler actor for one base model, started on first use."""
+        key = str(model_dir)
+        if key not in self._samplers:
+            options = {**self._engine_options(), "max_snapshots": self.config.local.max_snapshots}
+            actor = SamplerActor.remote(self.config.local.sampler_engine, key, options)
+            self._samplers[key] = actor
+            from transformers import AutoConfig, GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(key).eos_token_id
+            eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+            context = int(AutoConfig.from_pretrained(key).max_position_embeddings)
+            self._sampler_info[key] = (eos_ids, context)
+        return self._samplers[key]
+
+    def sampling_client(
+        self,
+        actor: Any,
+        key: str,
+        base_model: str,
+        model_dir: Path,
+        model_path: str | None,
+        version: int,
+    ) -> LocalSamplingClient:
+        eos_ids, context = self._sampler_info[str(model_dir)]
+        return LocalSamplingClient(
+            actor, key, base_model, str(model_dir), model_path, eos_ids, context, version
+        )
+
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        names = sorted({*self.config.models, "oneloop/tiny-qwen3"})
+        return types.GetServerCapabilitiesResponse(
+            supported_models=[
+                types.SupportedModel(model_name=n, trainable=True, sampleable=True) for n in names
+            ]
+        )
+
+    # -- training clients ------------------------------------------------------------------------
+
+    def _start_trainer(
+        self, base_model: str, model_dir: Path, lora: LoraSpec, run_id: str | None = None
+    ) -> tuple[Any, str]:
+        self.capabilities.check(lora_rank=lora.rank)
+        local = self.config.local
+        options = {
+            **self._engine_options(),
+            "max_tokens_per_microbatch": local.max_tokens_per_microbatch,
+        }
+        actor = TrainerActor.remote(local.trainer_engine, str(model_dir), lora, options)
+        self._trainers.append(actor)
+        return actor, run_id or f"run-{uuid.uuid4().hex[:12]}"
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+        optimizer: Any = None,
+    ) -> AwaitableConcurrentFuture[LocalTrainingClient]:
+        """rank > 0 trains LoRA adapters; rank == 0 is full fine-tuning (a local-backend extension)."""
+        if optimizer is not None and not isinstance(optimizer, types.AdamOptimizerConfig):
+            raise CapabilityError("optimizer: the local backend implements AdamW only")
+        if not (train_mlp or train_attn or train_unembed):
+            raise RequestError("at least one of train_mlp, train_attn, train_unembed must be True")
+        lora = LoraSpec(rank, seed, train_mlp, train_attn, train_unembed)
+        self.capabilities.check(lora_rank=rank)
+        model_dir = self.resolve_model(base_model)
+        actor, run_id = self._start_trainer(base_model, model_dir, lora)
+        self.sampler_actor(model_dir)
+        return chain(
+            actor.ready.remote(),
+            lambda _: LocalTrainingClient(self, actor, run_id, base_model, model_dir, lora),
+        )
+
+    def _from_state(
+        self, path: str, with_optimizer: bool
+    ) -> AwaitableConcurrentFuture[LocalTrainingClient]:
+        parsed = TinkerPath.parse(path)
+        if parsed.kind != "weights":
+            raise RequestError(
+                f"path: {path} is a sampler checkpoint; training needs tinker://<run>/weights/<name>"
+            )
+        directory = parsed.existing_directory(self.run_dir)
+        import json
+
+        meta = json.loads((directory / "meta.json").read_text())
+        lora = LoraSpec(
+            meta["lora_rank"], None, meta["train_mlp"], meta["train_attn"], meta["train_unembed"]
+        )
+        model_dir = Path(meta["model_dir"])
+        actor, run_id = self._start_trainer(meta["base_model"], model_dir, lora)
+        self.sampler_actor(model_dir)
+        loaded = actor.load_state.remote(str(directory), with_optimizer)
+        return chain(
+            loaded,
+            lambda _: LocalTrainingClient(self, actor, run_id, meta["base_model"], model_dir, lora),
+        )
+
+    def create_training_client_from_state(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+        optimizer: Any = None,
+    ):
+        return self._from_state(path, with_optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+    ):
+        return self._from_state(path, with_optimizer=True)
+
+    # -- sampling clients ------------------------------------------------------------------------
+
+    def create_sampling_client(
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+    ) -> AwaitableConcurrentFuture[LocalSamplingClient]:
+        if model_path is None and base_model is None:
+            raise RequestError("create_sampling_client: pass model_path or base_model")
+        if model_path is None:
+            assert base_model is not None
+            model_dir = self.resolve_model(base_model)
+            actor = self.sampler_actor(model_dir)
+            return completed(self.sampling_client(actor, "base", base_model, model_dir, None, 0))
+        parsed = TinkerPath.parse(model_path)
+        directory = parsed.existing_directory(self.run_dir)
+        import json
+
+        meta = json.loads((directory / "meta.json").read_text())
+        if parsed.kind == "weights":
+            raise RequestError(
+                f"model_path: {model_path} holds training state; sample from a "
+                "save_weights_for_sampler path (tinker://<run>/sampler_weights/<name>)"
+            )
+        model_dir = Path(meta["model_dir"])
+        actor = self.sampler_actor(model_dir)
+        key = f"path:{parsed}:{meta['sync_version']}"
+        loaded = actor.load_weights_from.remote(key, str(directory))
+        return chain(
+            loaded,
+            lambda version: self.sampling_client(
+                actor, key, meta["base_model"], model_dir, model_path, version
+            ),
+        )
+
+    def close(self) -> None:
+        """Stop this client's actors (the Ray runtime itself stays up for other clients)."""
+        for actor in [*self._trainers, *self._samplers.values()]:
+            ray.kill(actor)
+        self._trainers.clear()
+        self._samplers.clear()
