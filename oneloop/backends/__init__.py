@@ -6,9 +6,10 @@
 
 from typing import Any
 
+from oneloop.backends.capabilities import Capabilities
 from oneloop.backends.config import BackendConfig, parse_backend_config
 
-__all__ = ["BackendConfig", "connect", "parse_backend_config"]
+__all__ = ["BackendConfig", "capabilities", "connect", "parse_backend_config"]
 
 
 def connect(config: BackendConfig | dict) -> Any:
@@ -22,3 +23,14 @@ def connect(config: BackendConfig | dict) -> Any:
     from oneloop.backends.tinker_remote import connect_remote
 
     return connect_remote(config)
+
+
+def capabilities(service: Any, config: BackendConfig) -> Capabilities:
+    """What the connected backend supports (checked before a run starts)."""
+    from oneloop.backends.megatron_local.clients import LocalServiceClient
+
+    if isinstance(service, LocalServiceClient):
+        return service.capabilities
+    from oneloop.backends.tinker_remote import remote_capabilities
+
+    return remote_capabilities(config)

@@ -1,0 +1,201 @@
+"""Starting `oneloop serve`: its config, the blocking entry points, and an in-process thread.
+
+- `serve_main(argv)`: the `oneloop serve` command line (the lead's CLI calls it).
+- `run_server(config, backend=None)`: blocking; builds the local backend from
+  `config.backend` unless one is passed.
+- `ServerThread(config, backend)`: the same server on a background thread, on a free port
+  when `config.port` is 0 (tests and benchmarks); a context manager, `.base_url`.
+
+The bind policy is enforced before anything listens: off loopback needs an API key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from oneloop.backends.config import BackendConfig, format_validation_error, parse_backend_config
+from oneloop.errors import ConfigError
+
+from .app import build_app
+from .security import GuardMiddleware, check_bind, resolve_api_key
+from .service import Limits, ServeService
+
+logger = logging.getLogger(__name__)
+MiB = 1 << 20
+
+
+class ServeConfig(BaseModel):
+    """Settings of one `oneloop serve` process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    """Address to bind; anything but loopback requires `api_key`."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port; 0 picks a free one."""
+    api_key: str | None = Field(default=None, repr=False)
+    """Key every request must send (X-API-Key); None = no check (loopback only)."""
+    backend: BackendConfig = BackendConfig()
+    """The local backend the server drives."""
+    max_body_bytes: int = Field(default=16 * MiB, gt=0)
+    """Largest JSON request body, in bytes (413 above)."""
+    max_fwdbwd_body_bytes: int = Field(default=128 * MiB, gt=0)
+    """Largest forward_backward body as sent (maybe zstd), in bytes."""
+    max_decompressed_bytes: int = Field(default=512 * MiB, gt=0)
+    """Largest forward_backward body after zstd decompression, in bytes."""
+    compress_fwdbwd: bool = False
+    """Ask the SDK to zstd-compress forward_backward bodies (worth it off-host only)."""
+    use_pyqwest: bool = True
+    """Let the SDK use its pyqwest HTTP transport (its default)."""
+    long_poll_s: float = Field(default=30.0, gt=0, lt=45)
+    """How long one /retrieve_future waits before answering 408 (the SDK waits 45 s)."""
+    sample_ack_wait_s: float = Field(default=2.0, ge=0)
+    """How long /asample waits for the result, to acknowledge with the exact weight version."""
+    submit_timeout_s: float = Field(default=300.0, gt=0)
+    """Longest a backend call may take to accept a request, in seconds."""
+    result_timeout_s: float = Field(default=3600.0, gt=0)
+    """Longest a backend request may run, in seconds."""
+    result_ttl_s: float = Field(default=3600.0, gt=0)
+    """How long an unretrieved result is kept, in seconds (then polls get 410)."""
+    gap_timeout_s: float = Field(default=600.0, gt=0)
+    """How long a request waits for a missing earlier seq_id before failing, in seconds."""
+
+
+def make_asgi(config: ServeConfig, backend: Any) -> tuple[GuardMiddleware, ServeService]:
+    """The whole ASGI application (guard middleware around the routes) and its service."""
+    check_bind(config.host, config.api_key)
+    limits = Limits(
+        submit_timeout_s=config.submit_timeout_s,
+        result_timeout_s=config.result_timeout_s,
+        long_poll_s=config.long_poll_s,
+        sample_ack_wait_s=config.sample_ack_wait_s,
+    )
+    service = ServeService(backend, limits, result_ttl_s=config.result_ttl_s)
+    app = build_app(
+        service,
+        compress_fwdbwd=config.compress_fwdbwd,
+        use_pyqwest=config.use_pyqwest,
+        max_decompressed_bytes=config.max_decompressed_bytes,
+        gap_timeout_s=config.gap_timeout_s,
+    )
+    guarded = GuardMiddleware(
+        app,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        route_limits={"/api/v1/forward_backward": config.max_fwdbwd_body_bytes},
+    )
+    return guarded, service
+
+
+def _uvicorn(config: ServeConfig, backend: Any) -> tuple[uvicorn.Server, ServeService]:
+    asgi, service = make_asgi(config, backend)
+    server = uvicorn.Server(
+        uvicorn.Config(asgi, host=config.host, port=config.port, log_level="warning",
+                       access_log=False, lifespan="on", timeout_keep_alive=75)
+    )
+    return server, service
+
+
+def _backend(config: ServeConfig) -> Any:
+    from oneloop.backends import connect
+
+    return connect(config.backend)
+
+
+def run_server(config: ServeConfig, backend: Any = None) -> None:
+    """Serve until interrupted (blocking)."""
+    check_bind(config.host, config.api_key)
+    server, _ = _uvicorn(config, backend if backend is not None else _backend(config))
+    logger.warning("oneloop serve on http://%s:%d (API key %s)", config.host, config.port,
+                   "required" if config.api_key else "not required: loopback only")
+    server.run()
+
+
+class ServerThread:
+    """`oneloop serve` on a background thread of this process."""
+
+    def __init__(self, config: ServeConfig, backend: Any) -> None:
+        # Builds (and checks the bind policy) before binding anything.
+        self._server, self.service = _uvicorn(config, backend)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((config.host, config.port))
+        self.port = self._sock.getsockname()[1]
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        self.base_url = f"http://{host}:{self.port}"
+        self._thread = threading.Thread(target=self._run, name="oneloop-serve", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("oneloop serve did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def parse_args(argv: list[str] | None) -> ServeConfig:
+    parser = argparse.ArgumentParser(prog="oneloop serve",
+                                     description="Serve the local backend over the Tinker API.")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="required off loopback; default: $ONELOOP_API_KEY")
+    parser.add_argument("--run-dir", type=Path, default=None, help="checkpoint root directory")
+    parser.add_argument("--backend-config", type=Path, default=None,
+                        help="JSON or YAML file with the backend section (BackendConfig)")
+    parser.add_argument("--compress-fwdbwd", action="store_true",
+                        help="ask clients to zstd-compress forward_backward bodies")
+    args = parser.parse_args(argv)
+    backend: dict[str, Any] = {"backend": "local"}
+    if args.backend_config is not None:
+        text = args.backend_config.read_text()
+        if args.backend_config.suffix in (".yaml", ".yml"):
+            import yaml
+
+            backend.update(yaml.safe_load(text) or {})
+        else:
+            backend.update(json.loads(text))
+    if args.run_dir is not None:
+        backend["run_dir"] = str(args.run_dir)
+    try:
+        return ServeConfig(
+            host=args.host, port=args.port, api_key=resolve_api_key(args.api_key),
+            backend=parse_backend_config(backend), compress_fwdbwd=args.compress_fwdbwd,
+        )
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, "serve")) from None
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`oneloop serve [--host H] [--port P] [--api-key K] [--run-dir D] [--backend-config F]`."""
+    config = parse_args(argv)
+    check_bind(config.host, config.api_key)
+    run_server(config)
+    return 0

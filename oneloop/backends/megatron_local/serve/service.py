@@ -1,0 +1,486 @@
+"""The Tinker verbs behind the routes: wire requests in, local-backend calls out.
+
+Each handler receives an already-validated SDK request type, checks what the local backend cannot
+honour (answered 400 naming the field), and either answers at once (sessions, info, samplers) or
+returns an `UntypedAPIFuture` whose result `/retrieve_future` serves later.
+
+Protocol facts this module relies on (tinker 0.38):
+- `create_model` and create-via-`load_weights` (`session_id` + `model_seq_id`, no `model_id`)
+  make a training model; the SDK then calls `get_info` for it and uses the model id it derived,
+  `"{session}:train:{model_seq_id}"`. Its later requests carry seq_id 1, 2, ...
+- `save_weights_for_sampler` without `path` is the ephemeral save behind
+  `save_weights_and_get_sampling_client(kind=...)`: it carries `sampling_session_seq_id` and its
+  result is `SaveWeightsForSamplerResponseInternal{sampling_session_id}`; with `path` it is a
+  named save whose result has the `tinker://` path.
+- `asample` must be acknowledged with `sample_sequence_ids` (one per sample); the SDK overwrites
+  the sequences' ids with them. Ours are `make_sequence_id(<sampler id>, <version>, seq_id * 1024
+  + i)`: the version is the one the sample ran on when the result is ready within
+  `sample_ack_wait_s`, else the sampler's version when it was created (a lower bound for
+  `inflight` samplers, exact for snapshots).
+- `compute_logprobs` is an `asample` with `prompt_logprobs` and optional
+  `prompt_logprobs_last_n`; the last-n cut is applied here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pydantic
+from tinker import types
+
+from oneloop.backends.sequence_ids import make_sequence_id, sampled_version
+from oneloop.errors import CheckpointNotFoundError, RequestError
+
+from . import proto
+from .futures import FutureStore, Job, ModelSequencer, Outcome, SeenIds, await_backend, digest
+from .state import CheckpointStore, ModelSlot, Registry, SamplerSlot
+from .wire import (
+    WireError,
+    failed_future_body,
+    parse_sampling_params,
+    sampling_session_id,
+    session_of,
+    training_model_id,
+)
+
+PROTO = "application/x-protobuf"
+MAX_SAMPLES_PER_REQUEST = 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Timeouts (seconds) of the service's awaits."""
+
+    submit_timeout_s: float
+    result_timeout_s: float
+    long_poll_s: float
+    sample_ack_wait_s: float
+
+
+def json_outcome(model: pydantic.BaseModel) -> Outcome:
+    return Outcome(model.model_dump_json(exclude_none=True).encode(), "application/json")
+
+
+def backend_error(error: Exception) -> WireError:
+    """A backend exception raised while answering synchronously, as the HTTP error it means."""
+    if isinstance(error, WireError):
+        return error
+    if isinstance(error, CheckpointNotFoundError):
+        return WireError(str(error), 404)
+    if isinstance(error, RequestError | ValueError):
+        return WireError(f"{type(error).__name__}: {error}")
+    return WireError(f"backend error: {type(error).__name__}: {error}", 500)
+
+
+def _settle(target: asyncio.Future[Any], source: asyncio.Future[Any] | Any) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.set_exception(RuntimeError("cancelled"))
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
+
+
+def _quiet(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """Mark a future's exception as observed (it is reported through the request instead)."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+class ServeService:
+    """State and handlers of one `oneloop serve` process; use from its event loop only."""
+
+    def __init__(self, backend: Any, limits: Limits, *, result_ttl_s: float = 3600.0) -> None:
+        self.backend = backend
+        self.limits = limits
+        self.store = FutureStore(
+            result_ttl_s=result_ttl_s,
+            failure_body=lambda m, c: json.dumps(failed_future_body(m, c)).encode(),
+        )
+        self.registry = Registry()
+        self.checkpoints = CheckpointStore(backend.run_dir)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call a backend method off the event loop and await what it returns."""
+        async with asyncio.timeout(self.limits.submit_timeout_s):
+            submitted = await asyncio.to_thread(fn, *args, **kwargs)
+        return await await_backend(submitted, self.limits.result_timeout_s)
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def create_session(self, req: types.CreateSessionRequest) -> types.CreateSessionResponse:
+        session_id = self.registry.new_session(req.sdk_version, req.user_metadata or {}, req.tags)
+        return types.CreateSessionResponse(session_id=session_id)
+
+    def heartbeat(self, req: types.SessionHeartbeatRequest) -> types.SessionHeartbeatResponse:
+        session = self.registry.sessions.get(req.session_id)
+        if session is None:
+            raise WireError(f"session_id: unknown session {req.session_id!r}", 404)
+        if session.finished is not None:
+            raise WireError(f"session_id: session {req.session_id} is finished", 410)
+        session.last_heartbeat = asyncio.get_running_loop().time()
+        return types.SessionHeartbeatResponse()
+
+    def finish(self, session_id: str, reason: str, detail: str | None) -> None:
+        session = self.registry.sessions.get(session_id)
+        if session is None:
+            raise WireError(f"session_id: unknown session {session_id!r}", 404)
+        if session.finished is None:  # first reason wins
+            session.finished, session.detail = reason, detail
+
+    # -- training models -------------------------------------------------------------------------
+
+    def _new_model(
+        self, model_id: str, session_id: str, request: pydantic.BaseModel, request_type: str,
+        create: Callable[[], Any], encode: Callable[[Any], Outcome], user_metadata: Any,
+        base_model: str | None,
+    ) -> types.UntypedAPIFuture:
+        payload = digest(request.model_dump_json())
+        existing = self.registry.models.get(model_id)
+        if existing is not None:
+            if existing.creation_digest != payload:
+                raise WireError(f"model_seq_id: model {model_id} already exists", 409, retry=False)
+            return types.UntypedAPIFuture(
+                request_id=existing.creation_request_id, model_id=model_id
+            )
+        request_id = self.store.new(request_type)
+        client: asyncio.Future[Any] = _quiet(asyncio.get_running_loop().create_future())
+        sequencer = ModelSequencer(
+            model_id, self.store, client,
+            submit_timeout_s=self.limits.submit_timeout_s,
+            result_timeout_s=self.limits.result_timeout_s,
+        )
+        self.registry.models[model_id] = ModelSlot(
+            model_id, session_id, payload, request_id, client, sequencer, base_model, user_metadata
+        )
+        work = _quiet(asyncio.ensure_future(self._call(create)))
+        work.add_done_callback(lambda done: _settle(client, done))
+        self.store.start(request_id, work, encode)
+        return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+    def create_model(self, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
+        self.registry.session(req.session_id)
+        if req.model_seq_id < 0:
+            raise WireError("model_seq_id: must be >= 0")
+        if not isinstance(req.optimizer_config, types.AdamOptimizerConfig):
+            raise WireError("optimizer_config.type: the local backend implements adamw only")
+        lora = req.lora_config
+        if lora is not None and lora.rank < 1:
+            raise WireError(f"lora_config.rank: must be >= 1, got {lora.rank}")
+        if lora is not None and not (lora.train_mlp or lora.train_attn or lora.train_unembed):
+            raise WireError("lora_config: one of train_mlp, train_attn, train_unembed must be true")
+        model_id = training_model_id(req.session_id, req.model_seq_id)
+        lora = lora or types.LoraConfig(rank=0)  # no LoRA config: full fine-tuning (rank 0)
+
+        def create() -> Any:
+            return self.backend.create_lora_training_client(
+                req.base_model, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+                user_metadata=req.user_metadata, optimizer=req.optimizer_config,
+            )
+
+        return self._new_model(
+            model_id, req.session_id, req, "CreateModel", create,
+            lambda _: json_outcome(types.CreateModelResponse(model_id=model_id)),
+            req.user_metadata, req.base_model,
+        )
+
+    def load_weights(self, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
+        path = self.checkpoints.parse(req.path, "path")
+        if path.kind != "weights":
+            raise WireError(f"path: {req.path} is a sampler checkpoint; load needs .../weights/...")
+        if req.optimizer and req.optimizer_config is not None:
+            raise WireError("optimizer_config: cannot be combined with optimizer=true")
+        if req.optimizer_config is not None and not isinstance(
+            req.optimizer_config, types.AdamOptimizerConfig
+        ):
+            raise WireError("optimizer_config.type: the local backend implements adamw only")
+        if req.session_id is None:  # legacy addressing: load onto an existing model
+            if req.model_id is None or req.seq_id is None:
+                raise WireError("model_id, seq_id: required unless session_id is set")
+            load = "load_state_with_optimizer" if req.optimizer else "load_state"
+            model_id = req.model_id
+            return self._ordered(
+                model_id, req.seq_id, "LoadWeights", req.model_dump_json(),
+                lambda client: getattr(client, load)(req.path),
+                lambda _: json_outcome(types.LoadWeightsResponse(path=req.path, model_id=model_id)),
+            )
+        if req.model_id is not None or req.seq_id is not None or req.model_seq_id is None:
+            raise WireError("model_seq_id: required with session_id (and model_id, seq_id unset)")
+        self.registry.session(req.session_id)
+        model_id = training_model_id(req.session_id, req.model_seq_id)
+        make = (
+            self.backend.create_training_client_from_state_with_optimizer
+            if req.optimizer
+            else self.backend.create_training_client_from_state
+        )
+        return self._new_model(
+            model_id, req.session_id, req, "LoadWeights", lambda: make(req.path),
+            lambda _: json_outcome(types.LoadWeightsResponse(path=req.path, model_id=model_id)),
+            req.user_metadata, req.base_model,
+        )
+
+    async def get_info(self, req: types.GetInfoRequest) -> types.GetInfoResponse:
+        slot = self.registry.model(req.model_id)
+        try:
+            async with asyncio.timeout(self.limits.result_timeout_s):
+                client = await asyncio.shield(slot.client)
+        except TimeoutError as e:
+            raise WireError(f"model_id: model {req.model_id} is still being created", 503) from e
+        except Exception as e:
+            raise WireError(f"model_id: model {req.model_id} could not be created: {e}") from e
+        info = client.get_info()
+        return info.model_copy(update={"model_id": req.model_id})
+
+    def _ordered(
+        self, model_id: str, seq_id: int | None, request_type: str, payload: bytes | str,
+        submit: Callable[[Any], Any], encode: Callable[[Any], Outcome],
+        on_admit: Callable[[], None] | None = None,
+    ) -> types.UntypedAPIFuture:
+        """Admit one ordered request of `model_id` (see `ModelSequencer`)."""
+        if seq_id is None or seq_id < 1:
+            raise WireError(f"seq_id: required and >= 1 for {request_type}, got {seq_id}")
+        slot = self.registry.model(model_id)
+
+        def make_job(request_id: str) -> Job:
+            if on_admit is not None:
+                on_admit()
+            return Job(request_id, submit, encode)
+
+        request_id = slot.sequencer.offer(seq_id, digest(payload), request_type, make_job)
+        return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+    def forward_backward(self, req: proto.DecodedForwardBackward, raw: bytes
+                         ) -> types.UntypedAPIFuture:
+        fb = req.input
+        method = "forward" if req.forward_only else "forward_backward"
+
+        def encode(out: types.ForwardBackwardOutput) -> Outcome:
+            return Outcome(proto.encode_forward_backward_output(out), PROTO)
+
+        return self._ordered(
+            req.model_id, req.seq_id, "Forward" if req.forward_only else "ForwardBackward", raw,
+            lambda client: getattr(client, method)(fb.data, fb.loss_fn, fb.loss_fn_config),
+            encode,
+        )
+
+    def optim_step(self, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
+        params = req.optim_params
+        if not isinstance(params, types.AdamParams):
+            raise WireError("optimizer_params: the local backend implements adamw only")
+        for name, value in params.model_dump().items():
+            if not np.isfinite(value) or value < 0:
+                raise WireError(f"adam_params.{name}: must be a finite number >= 0, got {value}")
+        return self._ordered(
+            req.model_id, req.seq_id, "OptimStep", req.model_dump_json(),
+            lambda client: client.optim_step(params), json_outcome,
+        )
+
+    def save_weights(self, req: types.SaveWeightsRequest) -> types.UntypedAPIFuture:
+        if req.path is None:
+            raise WireError("path: a checkpoint name is required")
+        self._check_name(req.path)
+        return self._ordered(
+            req.model_id, req.seq_id, "SaveWeights", req.model_dump_json(),
+            lambda client: client.save_state(req.path, req.ttl_seconds, req.overwrite,
+                                             req.user_metadata),
+            json_outcome,
+        )
+
+    def _check_name(self, name: str) -> None:
+        self.checkpoints.parse(f"tinker://run/weights/{name}", "path")
+
+    def save_weights_for_sampler(
+        self, req: types.SaveWeightsForSamplerRequest
+    ) -> types.UntypedAPIFuture:
+        if req.path is not None:
+            self._check_name(req.path)
+            return self._ordered(
+                req.model_id, req.seq_id, "SaveWeightsForSampler", req.model_dump_json(),
+                lambda client: client.save_weights_for_sampler(req.path, req.ttl_seconds,
+                                                               req.user_metadata),
+                lambda r: json_outcome(types.SaveWeightsForSamplerResponseInternal(path=r.path)),
+            )
+        if req.sampling_session_seq_id is None:
+            raise WireError("path, sampling_session_seq_id: one of them is required")
+        session_id = session_of(req.model_id)
+        sampler_id = sampling_session_id(session_id, req.sampling_session_seq_id)
+        loop = asyncio.get_running_loop()
+        client: asyncio.Future[Any] = _quiet(loop.create_future())
+        payload = digest(req.model_dump_json())
+        if sampler_id in self.registry.samplers and (
+            self.registry.samplers[sampler_id].creation_digest != payload
+        ):
+            raise WireError(f"sampling_session_seq_id: {sampler_id} already exists", 409,
+                            retry=False)
+
+        def admit() -> None:
+            self.registry.samplers[sampler_id] = SamplerSlot(
+                sampler_id, session_id, payload, client, None, None, SeenIds(sampler_id)
+            )
+
+        def submit(training_client: Any) -> Any:
+            try:
+                future = training_client.save_weights_and_get_sampling_client(kind=req.kind)
+            except Exception as e:
+                error = e
+                loop.call_soon_threadsafe(lambda: client.done() or client.set_exception(error))
+                raise
+            future.future().add_done_callback(
+                lambda f: loop.call_soon_threadsafe(_settle, client, f)
+            )
+            return future
+
+        return self._ordered(
+            req.model_id, req.seq_id, "SaveWeightsForSampler", req.model_dump_json(), submit,
+            lambda _: json_outcome(
+                types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
+            ),
+            on_admit=admit,
+        )
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    async def create_sampling_session(
+        self, req: types.CreateSamplingSessionRequest
+    ) -> types.CreateSamplingSessionResponse:
+        self.registry.session(req.session_id)
+        if req.model_path is None and req.base_model is None:
+            raise WireError("model_path, base_model: one of them is required")
+        if req.model_path is not None:
+            path = self.checkpoints.parse(req.model_path, "model_path")
+            if path.kind != "sampler_weights":
+                raise WireError("model_path: sample from a sampler checkpoint "
+                                "(tinker://<run>/sampler_weights/<name>)")
+        sampler_id = sampling_session_id(req.session_id, req.sampling_session_seq_id)
+        payload = digest(req.model_dump_json())
+        slot = self.registry.samplers.get(sampler_id)
+        if slot is not None and slot.creation_digest != payload:
+            raise WireError(f"sampling_session_seq_id: {sampler_id} already exists", 409,
+                            retry=False)
+        if slot is None:
+            client = _quiet(asyncio.ensure_future(self._call(
+                self.backend.create_sampling_client, model_path=req.model_path,
+                base_model=req.base_model,
+            )))
+            slot = SamplerSlot(sampler_id, req.session_id, payload, client, req.base_model,
+                               req.model_path, SeenIds(sampler_id))
+            self.registry.samplers[sampler_id] = slot
+        try:
+            await self._sampling_client(slot)
+        except WireError:
+            self.registry.samplers.pop(sampler_id, None)  # a retry may create it afresh
+            raise
+        return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
+
+    async def _sampling_client(self, slot: SamplerSlot) -> Any:
+        try:
+            async with asyncio.timeout(self.limits.result_timeout_s):
+                return await asyncio.shield(slot.client)
+        except Exception as e:
+            raise backend_error(e) from e
+
+    async def get_sampler(self, sampler_id: str) -> types.GetSamplerResponse:
+        slot = self.registry.sampler(sampler_id)
+        client = await self._sampling_client(slot)
+        return types.GetSamplerResponse(
+            sampler_id=sampler_id,
+            base_model=str(getattr(client, "base_model", slot.base_model)),
+            model_path=slot.model_path or getattr(client, "model_path", None),
+        )
+
+    async def asample(self, req: types.SampleRequest) -> types.UntypedAPIFuture:
+        if req.sampling_session_id is None or req.seq_id is None:
+            raise WireError("sampling_session_id, seq_id: required (sample through a sampling "
+                            "session from create_sampling_session)")
+        for name in ("topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs",
+                     "record_stability_info", "topk_prompt_logprobs"):
+            if getattr(req, name):
+                raise WireError(f"{name}: not supported by the local backend's samplers")
+        if not 1 <= req.num_samples <= MAX_SAMPLES_PER_REQUEST:
+            raise WireError(f"num_samples: must be in [1, {MAX_SAMPLES_PER_REQUEST}]")
+        try:
+            prompt_len = len(req.prompt.to_ints())
+        except ValueError as e:
+            raise WireError("prompt: only token (encoded_text) chunks are supported") from e
+        last_n = req.prompt_logprobs_last_n
+        if last_n is not None and (not req.prompt_logprobs or not 1 <= last_n <= prompt_len - 1):
+            raise WireError("prompt_logprobs_last_n: needs prompt_logprobs and must be in "
+                            f"[1, {prompt_len - 1}]")
+        params = parse_sampling_params(req.sampling_params)
+        slot = self.registry.sampler(req.sampling_session_id)
+        self.registry.session(slot.session_id, "sampling_session_id")
+        payload = digest(req.model_dump_json())
+        ack = slot.seen.lookup(req.seq_id, payload)
+        if ack is not None:
+            return await asyncio.wait_for(asyncio.shield(ack), self.limits.submit_timeout_s)
+        ack = _quiet(asyncio.get_running_loop().create_future())
+        slot.seen.add(req.seq_id, payload, ack)
+        try:
+            result = await self._submit_sample(slot, req, params, last_n)
+        except BaseException as e:
+            slot.seen.remove(req.seq_id)
+            ack.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+            raise
+        ack.set_result(result)
+        return result
+
+    async def _submit_sample(
+        self, slot: SamplerSlot, req: types.SampleRequest, params: types.SamplingParams,
+        last_n: int | None,
+    ) -> types.UntypedAPIFuture:
+        client = await self._sampling_client(slot)
+        request_id = self.store.new("Sample")
+        try:
+            async with asyncio.timeout(self.limits.submit_timeout_s):
+                submitted = await asyncio.to_thread(
+                    client.sample, req.prompt, req.num_samples, params,
+                    include_prompt_logprobs=bool(req.prompt_logprobs),
+                )
+        except Exception as e:
+            self.store.discard(request_id)
+            raise backend_error(e) from e
+        result = asyncio.ensure_future(await_backend(submitted, self.limits.result_timeout_s))
+
+        def encode(resp: types.SampleResponse) -> Outcome:
+            if last_n is not None and resp.prompt_logprobs is not None:
+                values = list(resp.prompt_logprobs)
+                cut = len(values) - last_n
+                values[:cut] = [None] * cut
+                resp = types.SampleResponse(sequences=resp.sequences,
+                                            _prompt_logprobs_list=values)
+            return Outcome(proto.encode_sample_response(resp), PROTO)
+
+        self.store.start(request_id, result, encode)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(result), self.limits.sample_ack_wait_s)
+        versions = [getattr(client, "version", 0)] * req.num_samples
+        if result.done() and not result.cancelled() and result.exception() is None:
+            done = [sampled_version(s) for s in result.result().sequences]
+            versions = [v if d is None else d for v, d in zip(versions, done, strict=False)]
+        ids = [make_sequence_id(slot.sampler_id, v, req.seq_id * MAX_SAMPLES_PER_REQUEST + i)
+               for i, v in enumerate(versions)]
+        return types.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=ids)
+
+    # -- futures ---------------------------------------------------------------------------------
+
+    async def retrieve(self, req: types.FutureRetrieveRequest) -> Outcome | None:
+        return await self.store.wait(req.request_id, self.limits.long_poll_s)
+
+    def sweep(self, gap_timeout_s: float) -> None:
+        self.store.sweep()
+        for slot in self.registry.models.values():
+            slot.sequencer.fail_stale_gaps(gap_timeout_s)
+
+    async def close(self) -> None:
+        for slot in self.registry.models.values():
+            await slot.sequencer.close()
+        await self.store.close(timeout_s=5.0)
