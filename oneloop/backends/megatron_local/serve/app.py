@@ -108,8 +108,8 @@ def build_app(
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(task, timeout=5.0)
             await service.close()
 
     app = FastAPI(title="oneloop serve", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -124,6 +124,7 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> Response:
+        service.internal_errors += 1
         logger.error("%s %s failed: %s: %s", request.method, request.url.path,
                      type(error).__name__, error)
         return JSONResponse({"detail": f"internal error: {type(error).__name__}"}, 500)

@@ -12,12 +12,13 @@ Facts from the SDK (tinker 0.38, `lib/_auth_token_provider.py`, `lib/internal_cl
 Policy: the server binds 127.0.0.1 by default. Binding any non-loopback address requires an
 API key (`--api-key` or `ONELOOP_API_KEY`); without one the server refuses to start. When a key
 is set, every request (health included) must carry it, compared in constant time; otherwise 401.
-A body over its route's limit is refused with 413 before any route code runs. Keys are never
-logged or echoed.
+A body over its route's limit is refused with 413 before any route code runs, and one that does
+not arrive within `body_timeout_s` with 408. Keys are never logged or echoed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
@@ -82,8 +83,10 @@ class GuardMiddleware:
         api_key: str | None,
         max_body_bytes: int,
         route_limits: dict[str, int] | None = None,
+        body_timeout_s: float = 120.0,
     ) -> None:
         self._app = app
+        self._body_timeout_s = body_timeout_s
         self._key = api_key.encode() if api_key else None
         self._max = max_body_bytes
         self._route_limits = route_limits or {}
@@ -107,21 +110,17 @@ class GuardMiddleware:
             if too_big:
                 await _reply(send, 413, f"body: larger than the {limit} byte limit of this route")
                 return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                await _reply(send, 413, f"body: larger than the {limit} byte limit of this route")
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        whole = b"".join(chunks)
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                whole = await _read_body(receive, limit)
+        except TimeoutError:
+            await _reply(send, 408, f"body: not received within {self._body_timeout_s} s")
+            return
+        if whole is None:  # the client went away
+            return
+        if len(whole) > limit:
+            await _reply(send, 413, f"body: larger than the {limit} byte limit of this route")
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -140,6 +139,21 @@ class GuardMiddleware:
         if not offered and auth.lower().startswith(b"bearer "):
             offered = auth[7:].strip()
         return hmac.compare_digest(offered, self._key)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or as much as shows it is over `limit`; None if the client left."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body = message.get("body", b"")
+        size += len(body)
+        chunks.append(body)
+        if size > limit or not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 async def _reply(send: Send, status: int, detail: str) -> None:

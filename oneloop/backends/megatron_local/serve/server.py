@@ -68,6 +68,8 @@ class ServeConfig(BaseModel):
     """Longest a backend request may run, in seconds."""
     result_ttl_s: float = Field(default=3600.0, gt=0)
     """How long an unretrieved result is kept, in seconds (then polls get 410)."""
+    body_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest a client may take to send a request body, in seconds (then 408)."""
     gap_timeout_s: float = Field(default=600.0, gt=0)
     """How long a request waits for a missing earlier seq_id before failing, in seconds."""
 
@@ -94,6 +96,7 @@ def make_asgi(config: ServeConfig, backend: Any) -> tuple[GuardMiddleware, Serve
         api_key=config.api_key,
         max_body_bytes=config.max_body_bytes,
         route_limits={"/api/v1/forward_backward": config.max_fwdbwd_body_bytes},
+        body_timeout_s=config.body_timeout_s,
     )
     return guarded, service
 

@@ -24,7 +24,6 @@ Protocol facts this module relies on (tinker 0.38):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,6 +106,8 @@ class ServeService:
         )
         self.registry = Registry()
         self.checkpoints = CheckpointStore(backend.run_dir)
+        self.internal_errors = 0
+        """Requests answered 500 (a bug: the SDK retries 5xx silently, so tests check this)."""
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call a backend method off the event loop and await what it returns."""
@@ -460,8 +461,9 @@ class ServeService:
             return Outcome(proto.encode_sample_response(resp), PROTO)
 
         self.store.start(request_id, result, encode)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(result), self.limits.sample_ack_wait_s)
+        # Wait (briefly) so the ids can carry the version the sample ran on; a failure here is
+        # the request's result, reported through /retrieve_future like any other.
+        await asyncio.wait({result}, timeout=self.limits.sample_ack_wait_s)
         versions = [getattr(client, "version", 0)] * req.num_samples
         if result.done() and not result.cancelled() and result.exception() is None:
             done = [sampled_version(s) for s in result.result().sequences]

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 from tinker import types
+from tinker.types.try_again_response import TryAgainResponse
 
 from oneloop.backends.megatron_local.paths import check_component
 from oneloop.errors import RequestError
@@ -163,9 +164,7 @@ def failed_future_body(message: str, category: types.RequestErrorCategory) -> di
 
 def try_again_body(request_id: str) -> dict[str, str]:
     """The JSON of a 408 from `/retrieve_future` while the request is still running."""
-    return types.TryAgainResponse(request_id=request_id, queue_state="active").model_dump(
-        mode="json"
-    )
+    return TryAgainResponse(request_id=request_id, queue_state="active").model_dump(mode="json")
 
 
 def client_config(*, compress_fwdbwd: bool, use_pyqwest: bool) -> types.ClientConfigResponse:

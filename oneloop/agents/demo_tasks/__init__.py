@@ -1,0 +1,32 @@
+"""The demo task family: calculator questions as Harbor tasks with a shipped stdio MCP server.
+
+`generate_tasks(out_dir, n_train, n_eval, seed) -> TaskSplits` writes the task directories;
+`python -m oneloop.agents.demo_tasks.server` is the MCP server they declare; `verify.sh` is the
+verifier every task ships as `tests/test.sh`.
+"""
+
+from oneloop.agents.demo_tasks.generator import (
+    ANSWER_ENV_PATH,
+    MCP_SERVER_NAME,
+    DemoTask,
+    Difficulty,
+    Fault,
+    Question,
+    TaskSplits,
+    generate_tasks,
+    make_question,
+    write_task,
+)
+
+__all__ = [
+    "ANSWER_ENV_PATH",
+    "MCP_SERVER_NAME",
+    "DemoTask",
+    "Difficulty",
+    "Fault",
+    "Question",
+    "TaskSplits",
+    "generate_tasks",
+    "make_question",
+    "write_task",
+]

@@ -1,0 +1,133 @@
+"""The demo family's calculator MCP server (stdio): `python -m oneloop.agents.demo_tasks.server`.
+
+This module owns the tools the demo tasks expose: `add`, `subtract`, `multiply`, `divide` and
+`submit_answer(answer)`. `submit_answer` writes the answer to `--answer-path` (default
+`/logs/agent/answer.txt`), which the task's verifier reads. The server must therefore run inside
+the trial's environment: in a container that is the container; in the no-container environment the
+agent starts it through `NoContainerEnvironment.stdio_command`, which runs it in the trial's private
+mount namespace where `/logs/agent` is that trial's own directory. Started anywhere else (no
+`/logs/agent` directory), it exits at once with an error instead of writing where no verifier looks.
+
+Fault-injection flags for tests: `--hang-tool NAME` (that tool never returns), `--huge-tool NAME`
+(that tool returns `HUGE_RESULT_CHARS` characters), `--crash-after N` (the process exits with
+status 3 on the N-th tool call, before answering it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+from mcp.server import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+DEFAULT_ANSWER_PATH = "/logs/agent/answer.txt"
+HUGE_RESULT_CHARS = 1_000_000
+CRASH_EXIT_CODE = 3
+TOOL_NAMES = ("add", "subtract", "multiply", "divide", "submit_answer")
+# Models write numbers as JSON numbers or strings; both are accepted and parsed exactly.
+Number = int | float | str
+
+
+def _format(value: Fraction) -> str:
+    """Integers print as integers; other exact results as a reduced decimal or fraction."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    as_float = float(value)
+    return repr(round(as_float, 10))
+
+
+def _parse(name: str, text: Number) -> Fraction:
+    try:
+        return Fraction(str(text).strip())
+    except (ValueError, ZeroDivisionError) as exc:
+        raise ToolError(f"argument {name}={text!r} is not a number") from exc
+
+
+def build_server(
+    answer_path: Path,
+    hang_tool: str | None = None,
+    huge_tool: str | None = None,
+    crash_after: int | None = None,
+) -> MCPServer:
+    """The calculator server with the given answer path and fault-injection knobs."""
+    server: MCPServer = MCPServer(
+        name="calculator",
+        instructions="Exact arithmetic tools. Call submit_answer(answer) once with the result.",
+    )
+    calls = 0
+
+    async def _faults(tool: str) -> str | None:
+        nonlocal calls
+        calls += 1
+        if crash_after is not None and calls >= crash_after:
+            sys.stderr.write(f"calculator server: injected crash on tool call {calls}\n")
+            sys.stderr.flush()
+            os._exit(CRASH_EXIT_CODE)  # a crash, on purpose: no cleanup, no reply
+        if tool == hang_tool:
+            await asyncio.Event().wait()  # never set: the call hangs until the client gives up
+        if tool == huge_tool:
+            return "9" * HUGE_RESULT_CHARS
+        return None
+
+    @server.tool(description="Return a + b.")
+    async def add(a: Number, b: Number) -> str:
+        return await _faults("add") or _format(_parse("a", a) + _parse("b", b))
+
+    @server.tool(description="Return a - b.")
+    async def subtract(a: Number, b: Number) -> str:
+        return await _faults("subtract") or _format(_parse("a", a) - _parse("b", b))
+
+    @server.tool(description="Return a * b.")
+    async def multiply(a: Number, b: Number) -> str:
+        return await _faults("multiply") or _format(_parse("a", a) * _parse("b", b))
+
+    @server.tool(description="Return a / b (b must not be 0).")
+    async def divide(a: Number, b: Number) -> str:
+        fault = await _faults("divide")
+        if fault is not None:
+            return fault
+        divisor = _parse("b", b)
+        if divisor == 0:
+            raise ToolError("argument b=0: division by zero")
+        return _format(_parse("a", a) / divisor)
+
+    @server.tool(description="Submit the final numeric answer. Call it exactly once.")
+    async def submit_answer(answer: Number) -> str:
+        fault = await _faults("submit_answer")
+        if fault is not None:
+            return fault
+        text = str(answer).strip()
+        if not text or "\n" in text:
+            raise ToolError("argument answer must be one non-empty line")
+        answer_path.parent.mkdir(parents=True, exist_ok=True)
+        answer_path.write_text(text + "\n")
+        return f"answer {text!r} recorded"
+
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--answer-path", default=DEFAULT_ANSWER_PATH)
+    parser.add_argument("--hang-tool", choices=TOOL_NAMES)
+    parser.add_argument("--huge-tool", choices=TOOL_NAMES)
+    parser.add_argument("--crash-after", type=int)
+    args = parser.parse_args(argv)
+    if args.crash_after is not None and args.crash_after < 1:
+        parser.error(f"--crash-after must be >= 1, got {args.crash_after}")
+    answer_path = Path(args.answer_path)
+    if not answer_path.parent.is_dir():
+        sys.exit(
+            f"calculator server: {answer_path.parent} does not exist; start the server inside "
+            "the trial's environment (e.g. through NoContainerEnvironment.stdio_command)"
+        )
+    build_server(answer_path, args.hang_tool, args.huge_tool, args.crash_after).run("stdio")
+
+
+if __name__ == "__main__":
+    main()

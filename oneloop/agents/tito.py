@@ -1,0 +1,326 @@
+"""Token-in/token-out (TITO) trajectories: the exact tokens a sampler saw and produced.
+
+This module owns `Trajectory`, an append-only list of segments `prompt | sampled | observation`,
+and its conversion to a training `tinker.types.Datum`. Nothing here ever tokenises text: every
+token is either the initial prompt, a sampler's output (kept verbatim with its per-token logprobs
+and the sampler weight version it started on), or an observation delta produced by a renderer.
+
+Contracts:
+* each sample request's prompt is exactly the concatenation of all segments so far
+  (`Trajectory.append_sampled` checks it and raises `TitoError` naming the first mismatch);
+* a sampled segment stores a blake2b digest of its tokens (int32 bytes) taken when it was
+  appended; `to_datum` recomputes it, so a trajectory corrupted on its way through JSON,
+  checkpoints or a buggy caller is refused instead of trained on;
+* `to_datum(advantage)` gives `model_input = full[:-1]`, `target_tokens = full[1:]`, `weights` 1 on
+  sampled positions and 0 elsewhere, `logprobs` (the sampler's, 0 elsewhere) and `advantages`
+  (the scalar spread over sampled positions, 0 elsewhere), all aligned with the targets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from tinker import types
+
+from oneloop.backends.sequence_ids import sampled_version
+from oneloop.errors import OneloopError
+
+SegmentKind = Literal["prompt", "sampled", "observation"]
+SEGMENT_KINDS: tuple[SegmentKind, ...] = ("prompt", "sampled", "observation")
+# Bumped when the JSON form changes; `from_json` refuses other versions.
+JSON_FORMAT = 1
+
+
+class TitoError(OneloopError, ValueError):
+    """A trajectory would break token-in/token-out: wrong prompt, bad segment, corrupted tokens."""
+
+
+def token_digest(tokens: Sequence[int] | np.ndarray) -> str:
+    """blake2b (16-byte) hex digest of `tokens` as little-endian int32 bytes."""
+    array = np.asarray(tokens, dtype="<i4")
+    return hashlib.blake2b(array.tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One run of tokens with a single origin.
+
+    `logprobs`, `version` and `digest` are set on sampled segments only (`version` may be None if
+    neither the sequence id nor the caller knew it); prompt and observation segments carry none.
+    """
+
+    kind: SegmentKind
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    version: int | None = None
+    digest: str | None = None
+    stop_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SEGMENT_KINDS:
+            raise TitoError(f"segment.kind: expected one of {SEGMENT_KINDS}, got {self.kind!r}")
+        if self.kind == "sampled":
+            if self.logprobs is None or len(self.logprobs) != len(self.tokens):
+                got = None if self.logprobs is None else len(self.logprobs)
+                raise TitoError(
+                    f"segment.logprobs: a sampled segment needs one logprob per token "
+                    f"({len(self.tokens)}), got {got}"
+                )
+            if self.digest is None:
+                raise TitoError("segment.digest: a sampled segment needs the digest of its tokens")
+        elif self.logprobs is not None or self.version is not None or self.digest is not None:
+            raise TitoError(
+                f"segment: a {self.kind} segment carries no logprobs, version or digest"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "tokens": list(self.tokens)}
+        if self.kind == "sampled":
+            out |= {
+                "logprobs": list(self.logprobs or ()),
+                "version": self.version,
+                "digest": self.digest,
+                "stop_reason": self.stop_reason,
+            }
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "segment") -> Segment:
+        if not isinstance(data, dict):
+            raise TitoError(f"{where}: expected an object, got {type(data).__name__}")
+        kind = data.get("kind")
+        if kind not in SEGMENT_KINDS:
+            raise TitoError(f"{where}.kind: expected one of {SEGMENT_KINDS}, got {kind!r}")
+        tokens = _int_list(data.get("tokens"), f"{where}.tokens")
+        if kind != "sampled":
+            extra = set(data) - {"kind", "tokens"}
+            if extra:
+                raise TitoError(f"{where}: unknown keys {sorted(extra)} for kind {kind!r}")
+            return cls(kind=kind, tokens=tokens)  # type: ignore[arg-type]
+        logprobs = data.get("logprobs")
+        if not isinstance(logprobs, list) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in logprobs
+        ):
+            raise TitoError(f"{where}.logprobs: expected a list of numbers")
+        version = data.get("version")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise TitoError(f"{where}.version: expected an integer or null, got {version!r}")
+        digest = data.get("digest")
+        if not isinstance(digest, str):
+            raise TitoError(f"{where}.digest: expected a string, got {digest!r}")
+        stop_reason = data.get("stop_reason")
+        if stop_reason is not None and not isinstance(stop_reason, str):
+            raise TitoError(f"{where}.stop_reason: expected a string or null")
+        return cls(
+            kind="sampled",
+            tokens=tokens,
+            logprobs=tuple(float(x) for x in logprobs),
+            version=version,
+            digest=digest,
+            stop_reason=stop_reason,
+        )
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """An append-only TITO trajectory. Appending returns a new trajectory; nothing is mutated."""
+
+    segments: tuple[Segment, ...]
+    length: int
+
+    @classmethod
+    def start(cls, prompt_tokens: Sequence[int]) -> Trajectory:
+        """A trajectory holding only the initial prompt (must be non-empty)."""
+        tokens = _int_tuple(prompt_tokens, "prompt_tokens")
+        if not tokens:
+            raise TitoError("prompt_tokens: the initial prompt must hold at least one token")
+        return cls(segments=(Segment("prompt", tokens),), length=len(tokens))
+
+    def __post_init__(self) -> None:
+        if not self.segments or self.segments[0].kind != "prompt":
+            raise TitoError("segments[0]: a trajectory starts with exactly one prompt segment")
+        if any(s.kind == "prompt" for s in self.segments[1:]):
+            raise TitoError("segments: only the first segment may be a prompt")
+        total = sum(len(s.tokens) for s in self.segments)
+        if total != self.length:
+            raise TitoError(f"length: {self.length} but the segments hold {total} tokens")
+
+    @property
+    def tokens(self) -> list[int]:
+        """All tokens so far, in order (the next sample's prompt)."""
+        out: list[int] = []
+        for segment in self.segments:
+            out.extend(segment.tokens)
+        return out
+
+    def model_input(self) -> types.ModelInput:
+        """The next sample request's prompt: exactly the concatenation so far."""
+        return types.ModelInput.from_ints(self.tokens)
+
+    @property
+    def sampled_segments(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind == "sampled")
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments if s.kind == "sampled")
+
+    def check_prompt(self, prompt: types.ModelInput | Sequence[int]) -> None:
+        """Raise `TitoError` unless `prompt` is exactly this trajectory's tokens."""
+        sent = prompt.to_ints() if isinstance(prompt, types.ModelInput) else list(prompt)
+        if sent == (mine := self.tokens):
+            return
+        first = next(
+            (i for i, (a, b) in enumerate(zip(sent, mine, strict=False)) if a != b),
+            min(len(sent), len(mine)),
+        )
+        raise TitoError(
+            f"sample prompt is not the trajectory so far: {len(sent)} tokens sent, "
+            f"{len(mine)} in the trajectory, first difference at position {first} "
+            f"(sent {sent[first : first + 4]}, trajectory {mine[first : first + 4]}); "
+            "build each request's prompt with Trajectory.model_input()"
+        )
+
+    def append_sampled(
+        self,
+        sequence: types.SampledSequence,
+        *,
+        prompt: types.ModelInput | Sequence[int],
+        fallback_version: int | None = None,
+    ) -> Trajectory:
+        """Append a sampler's output, verbatim, after checking the request's `prompt`.
+
+        The version is the one recorded in the sequence id (`sampled_version`), else
+        `fallback_version` (the version of the sampling client the caller used).
+        """
+        self.check_prompt(prompt)
+        tokens_np = (
+            np.asarray(sequence.tokens_np)
+            if sequence.tokens_np is not None
+            else np.asarray(sequence.tokens, dtype=np.int64)
+        )
+        logprobs = sequence.logprobs
+        if logprobs is None:
+            raise TitoError(
+                "sequence.logprobs: the sampler returned no logprobs; TITO training needs them"
+            )
+        if len(logprobs) != len(tokens_np):
+            raise TitoError(
+                f"sequence.logprobs: {len(logprobs)} logprobs for {len(tokens_np)} tokens"
+            )
+        version = sampled_version(sequence)
+        segment = Segment(
+            kind="sampled",
+            tokens=tuple(int(t) for t in tokens_np.tolist()),
+            logprobs=tuple(float(x) for x in logprobs),
+            version=version if version is not None else fallback_version,
+            digest=token_digest(tokens_np),
+            stop_reason=sequence.stop_reason,
+        )
+        return Trajectory(self.segments + (segment,), self.length + len(segment.tokens))
+
+    def append_observation(self, tokens: Sequence[int]) -> Trajectory:
+        """Append environment tokens (a renderer's observation delta); never trained on."""
+        segment = Segment("observation", _int_tuple(tokens, "observation tokens"))
+        return Trajectory(self.segments + (segment,), self.length + len(segment.tokens))
+
+    def verify(self) -> None:
+        """Re-check every sampled segment's digest; raise `TitoError` on the first mismatch."""
+        for index, segment in enumerate(self.segments):
+            if segment.kind == "sampled" and token_digest(segment.tokens) != segment.digest:
+                raise TitoError(
+                    f"segments[{index}]: sampled tokens changed since sampling (digest "
+                    f"{token_digest(segment.tokens)} != recorded {segment.digest})"
+                )
+
+    def to_datum(self, advantage: float) -> types.Datum:
+        """The training datum: inputs `full[:-1]`, targets `full[1:]`, aligned loss inputs."""
+        if not math.isfinite(advantage):
+            raise TitoError(f"advantage: must be finite, got {advantage}")
+        if self.length < 2:
+            raise TitoError(f"length: a datum needs at least 2 tokens, got {self.length}")
+        self.verify()
+        full = np.fromiter(
+            itertools.chain.from_iterable(s.tokens for s in self.segments),
+            dtype=np.int64,
+            count=self.length,
+        )
+        mask = np.zeros(self.length, dtype=np.float32)
+        logprobs = np.zeros(self.length, dtype=np.float32)
+        offset = 0
+        for segment in self.segments:
+            end = offset + len(segment.tokens)
+            if segment.kind == "sampled":
+                mask[offset:end] = 1.0
+                logprobs[offset:end] = segment.logprobs or ()
+            offset = end
+        targets_mask = mask[1:]
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1].tolist()),
+            loss_fn_inputs={
+                "target_tokens": types.TensorData.from_numpy(full[1:]),
+                "weights": types.TensorData.from_numpy(targets_mask.copy()),
+                "logprobs": types.TensorData.from_numpy(logprobs[1:].copy()),
+                "advantages": types.TensorData.from_numpy(
+                    (targets_mask * np.float32(advantage)).astype(np.float32)
+                ),
+            },
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (for checkpoints and trajectories.jsonl)."""
+        return {
+            "format": JSON_FORMAT,
+            "length": self.length,
+            "segments": [s.to_json() for s in self.segments],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Trajectory:
+        """Inverse of `to_json`; every field is validated and digests are re-checked."""
+        if not isinstance(data, dict):
+            raise TitoError(f"trajectory: expected an object, got {type(data).__name__}")
+        if data.get("format") != JSON_FORMAT:
+            raise TitoError(
+                f"trajectory.format: expected {JSON_FORMAT}, got {data.get('format')!r}"
+            )
+        raw = data.get("segments")
+        if not isinstance(raw, list):
+            raise TitoError("trajectory.segments: expected a list")
+        segments = tuple(
+            Segment.from_json(s, f"trajectory.segments[{i}]") for i, s in enumerate(raw)
+        )
+        length = data.get("length")
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise TitoError(f"trajectory.length: expected an integer, got {length!r}")
+        trajectory = cls(segments=segments, length=length)
+        trajectory.verify()
+        return trajectory
+
+
+def _int_tuple(tokens: Sequence[int] | np.ndarray, where: str) -> tuple[int, ...]:
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise TitoError(f"{where}: expected a 1-D integer array, got {tokens.dtype}")
+        return tuple(tokens.tolist())
+    out = tuple(tokens)
+    if set(map(type, out)) <= {int}:  # the common case (plain ints), checked at C speed
+        if out and min(out) < 0:
+            raise TitoError(f"{where}: expected non-negative token ids, got {min(out)}")
+        return out
+    for t in out:
+        if not isinstance(t, int | np.integer) or isinstance(t, bool) or t < 0:
+            raise TitoError(f"{where}: expected non-negative token ids, got {t!r}")
+    return tuple(int(t) for t in out)
+
+
+def _int_list(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise TitoError(f"{where}: expected a list of token ids")
+    return _int_tuple(value, where)

@@ -1,0 +1,86 @@
+"""From finished rollout groups to training datums, and the trainer-vs-sampler logprob check.
+
+- Advantages are group-relative: reward − group mean (optionally ÷ group std).
+- Reductions are done here by scaling advantages, never by the backend, so both backends compute
+  the same objective with Tinker's sum-losses: `token_sum` (as is), `token_mean` (÷ sampled tokens
+  in the batch), `prompt_mean` (÷ groups in the batch × sampled tokens of that group).
+- RL losses take no `weights` input (Tinker's service rejects it); the TITO datum's weights are
+  used as the mask for the logprob check and then dropped.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+from tinker import types
+
+from oneloop.agents.tito import Trajectory
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """A finished, accepted group: its trajectories, rewards and the version it started on."""
+
+    sample_id: str
+    task: str
+    version: int
+    trajectories: tuple[Trajectory, ...]
+    rewards: tuple[float, ...]
+
+
+def group_advantages(rewards: list[float], std_normalize: bool) -> np.ndarray:
+    """reward − mean (÷ std when asked and the std is non-zero)."""
+    values = np.asarray(rewards, dtype=np.float64)
+    centered = values - values.mean()
+    if std_normalize:
+        std = values.std()
+        if std > 0:
+            centered = centered / std
+    return centered
+
+
+def has_variance(rewards: list[float]) -> bool:
+    return len(set(rewards)) > 1
+
+
+def build_datums(
+    groups: list[ScoredGroup], reduction: str, std_normalize: bool
+) -> tuple[list[types.Datum], list[np.ndarray]]:
+    """RL datums for `groups` (in the given order) and each datum's sampled-position mask."""
+    total_tokens = sum(t.num_sampled_tokens for g in groups for t in g.trajectories)
+    datums, masks = [], []
+    for group in groups:
+        advantages = group_advantages(list(group.rewards), std_normalize)
+        group_tokens = sum(t.num_sampled_tokens for t in group.trajectories)
+        for trajectory, advantage in zip(group.trajectories, advantages, strict=True):
+            scale = 1.0
+            if reduction == "token_mean":
+                scale = 1.0 / max(total_tokens, 1)
+            elif reduction == "prompt_mean":
+                scale = 1.0 / (len(groups) * max(group_tokens, 1))
+            datum = trajectory.to_datum(float(advantage * scale))
+            mask = datum.loss_fn_inputs["weights"].to_numpy() > 0
+            inputs = {k: v for k, v in datum.loss_fn_inputs.items() if k != "weights"}
+            datums.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
+            masks.append(mask)
+    return datums, masks
+
+
+def logprob_gap(
+    datums: list[types.Datum], masks: list[np.ndarray], output: types.ForwardBackwardOutput
+) -> dict[str, float]:
+    """Trainer target logprobs vs the sampler's on sampled tokens: mean/max |Δ| and KL(k3)."""
+    diffs = []
+    for datum, mask, out in zip(datums, masks, output.loss_fn_outputs, strict=True):
+        trainer = out["logprobs"].to_numpy().astype(np.float64)[mask]
+        sampler = datum.loss_fn_inputs["logprobs"].to_numpy().astype(np.float64)[mask]
+        diffs.append(trainer - sampler)
+    if not diffs or sum(len(d) for d in diffs) == 0:
+        return {}
+    delta = np.concatenate(diffs)
+    # k3 estimator of KL(sampler || trainer) on tokens drawn from the sampler.
+    kl = float(np.mean(np.exp(delta) - 1.0 - delta))
+    return {
+        "train/logprob_gap_mean": float(np.abs(delta).mean()),
+        "train/logprob_gap_max": float(np.abs(delta).max()),
+        "train/kl_sample_train": kl,
+    }

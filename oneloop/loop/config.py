@@ -1,0 +1,226 @@
+"""The training run's one typed config: parsed from YAML plus dotted CLI overrides, validated once.
+
+`load_config(path, overrides)` reads a YAML file (or a preset name from `scripts/configs/`), applies
+`a.b.c=value` overrides (values parsed as YAML scalars), validates with pydantic (unknown keys
+rejected) and raises `ConfigError` naming the dotted path of every bad key. A mode is on when its
+sub-config is set (`sft`, `eval`, `checkpoint`). The same file runs on both backends.
+"""
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from oneloop.backends.config import BackendConfig, format_validation_error
+from oneloop.errors import ConfigError
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "configs"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    base_model: str = "oneloop/tiny-qwen3"
+    """Base model name (the backend resolves it; local: backend.models or a path)."""
+    lora_rank: int = Field(default=16, ge=0)
+    """LoRA rank; 0 = full fine-tuning (local backend only)."""
+    seed: int = 0
+    """LoRA initialisation seed."""
+
+
+class DemoTasksConfig(_Strict):
+    n_train: int = Field(default=64, ge=1)
+    """Training tasks to generate (count)."""
+    n_eval: int = Field(default=32, ge=1)
+    """Held-out tasks to generate (count)."""
+    seed: int = 0
+    """Seed of the task generator."""
+    difficulties: list[Literal["easy", "medium", "hard"]] = ["easy", "medium"]
+    """Difficulty levels to cycle through."""
+
+
+class TasksConfig(_Strict):
+    dir: Path | None = None
+    """Harbor task directories under `<dir>/train/*` and `<dir>/eval/*`; None = generate the demo family."""
+    demo: DemoTasksConfig = DemoTasksConfig()
+    """The generated demo task family (used when `dir` is None)."""
+
+
+class AgentConfig(_Strict):
+    max_turns: int = Field(default=8, ge=1)
+    """Most sample calls per episode (count)."""
+    max_tokens_per_turn: int = Field(default=128, ge=1)
+    """Cap on tokens sampled per turn (tokens)."""
+    context_window: int = Field(default=2048, ge=16)
+    """Most tokens one trajectory may hold (tokens)."""
+    tool_timeout_s: float = Field(default=30.0, gt=0)
+    """Limit on one MCP tool call (seconds)."""
+    tool_result_max_chars: int = Field(default=2000, ge=16)
+    """Longest tool result shown to the model (characters; head/tail truncation beyond)."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    system_prompt: str | None = None
+    """System message before the task instruction."""
+
+
+class RolloutConfig(_Strict):
+    max_concurrency: int = Field(default=16, ge=1)
+    """System cap on trials running at once (trials); the loop also caps at (S+1)·B·n."""
+    trials_per_second: float = Field(default=50.0, gt=0)
+    """Rate limit on trial starts (trials/s)."""
+    trial_timeout_s: float = Field(default=600.0, gt=0)
+    """Limit on one whole trial (seconds)."""
+    max_infra_retries: int = Field(default=2, ge=0)
+    """Fresh trials after an infrastructure error, per trajectory (count)."""
+    environment_import_path: str = "oneloop.agents.environment:NoContainerEnvironment"
+    """Harbor environment class (`module:Class`); production: Harbor's docker/modal/daytona."""
+
+
+class AlgoConfig(_Strict):
+    max_steps: int = Field(default=20, ge=1)
+    """Optimizer steps of RL (count)."""
+    max_staleness: int = Field(default=3, ge=0)
+    """S: most steps a group's sampler version may lag the step it is trained at (0 = on-policy)."""
+    groups_per_step: int = Field(default=4, ge=1)
+    """B: prompt groups per optimizer step (count)."""
+    group_size: int = Field(default=4, ge=1)
+    """n: samples per prompt (count)."""
+    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
+    """Tinker built-in RL loss."""
+    loss_fn_config: dict[str, float] = {}
+    """Loss parameters (clip thresholds for ppo/cispo, beta for dro)."""
+    reduction: Literal["token_sum", "token_mean", "prompt_mean"] = "prompt_mean"
+    """How per-token losses are combined, by scaling advantages (both backends compute the same)."""
+    std_normalize: bool = False
+    """Divide group advantages by the group's reward std."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no signal); counted."""
+    learning_rate: float = Field(default=1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    grad_clip_norm: float = Field(default=1.0, ge=0)
+    """Global gradient-norm clip (0 = off)."""
+    sampler_kind: Literal["auto", "inflight", "snapshot"] = "auto"
+    """Sampling client kind; auto = inflight where the backend supports it."""
+    seed: int = 0
+    """Seed of data order and sampling seeds."""
+
+
+class SftConfig(_Strict):
+    steps: int = Field(default=40, ge=1)
+    """Supervised warm-start steps (count)."""
+    batch_size: int = Field(default=16, ge=1)
+    """Demonstrations per step (count)."""
+    learning_rate: float = Field(default=3e-3, gt=0)
+    """AdamW learning rate of the warm start."""
+
+
+class EvalConfig(_Strict):
+    n_tasks: int | None = Field(default=None, ge=1)
+    """Held-out tasks to evaluate (None = all)."""
+    samples_per_task: int = Field(default=1, ge=1)
+    """Samples per held-out task (count)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature of evaluation (0 = greedy)."""
+
+
+class CheckpointConfig(_Strict):
+    every_steps: int = Field(default=5, ge=1)
+    """Save trainer state + loop state every K steps."""
+
+
+class TimeoutsConfig(_Strict):
+    group_s: float = Field(default=900.0, gt=0)
+    """Limit on one rollout group; a stuck group is cancelled and its task re-queued (seconds)."""
+    wait_for_rollouts_s: float = Field(default=1800.0, gt=0)
+    """Limit on waiting for a step's groups (seconds)."""
+    train_s: float = Field(default=1800.0, gt=0)
+    """Limit on forward_backward + optim_step (seconds)."""
+    sync_s: float = Field(default=600.0, gt=0)
+    """Limit on publishing weights to the samplers (seconds)."""
+
+
+class LoggingConfig(_Strict):
+    console: bool = True
+    """Print one progress line per step."""
+    wandb: dict[str, Any] | None = None
+    """Weights & Biases init kwargs (project, name, ...); None = off."""
+    tensorboard: bool = False
+    """Write TensorBoard event files under run_dir/tb."""
+    trajectories_per_step: int = Field(default=4, ge=0)
+    """Decoded trajectories (with masks) written per step to trajectories.jsonl (count)."""
+
+
+class TrainConfig(_Strict):
+    run_dir: Path = Path("runs/train")
+    """Where metrics, plots, trajectories, checkpoints and Harbor trials go."""
+    backend: BackendConfig = BackendConfig()
+    """Which backend runs the model (`--backend local|tinker`)."""
+    model: ModelConfig = ModelConfig()
+    tasks: TasksConfig = TasksConfig()
+    agent: AgentConfig = AgentConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    sft: SftConfig | None = None
+    """Supervised warm start before RL; None = off."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation before and after RL; None = off."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.sft is not None and self.tasks.dir is not None:
+            raise ValueError("sft: the warm start needs demonstrations; it supports the demo task family only (tasks.dir must be null)")
+        return self
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set `tree[a][b][c] = value` for `a.b.c`, creating mappings on the way."""
+    parts = dotted.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {dotted}")
+        node = child
+    node[parts[-1]] = value
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A YAML path, or the name of a preset in scripts/configs/ (with or without .yaml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    preset = PRESETS_DIR / (path.name if path.suffix else f"{path.name}.yaml")
+    if preset.is_file():
+        return preset
+    presets = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    raise ConfigError(f"config: {name!s} is neither a file nor a preset; presets: {presets}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read, override, validate. Errors are ConfigError naming dotted paths."""
+    raw: dict = {}
+    if path is not None:
+        source = resolve_config_path(path)
+        loaded = yaml.safe_load(source.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {source}: the top level must be a mapping")
+        raw = loaded or {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        set_dotted(raw, key.strip(), yaml.safe_load(text))
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None

@@ -1,0 +1,140 @@
+"""SFT warm start through the same seam: demonstrations of the demo task family, `cross_entropy`.
+
+A demonstration is rendered exactly the way the agent builds its trajectories (initial prompt with
+the MCP server's real tool list, assistant turns closed by the stop token, observation deltas from
+the renderer), so the warm start teaches the token layout the agent will sample in. Tool results
+come from the real calculator server, called in process.
+"""
+
+import ast
+import asyncio
+import json
+import tempfile
+from collections.abc import Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tinker import types
+
+from oneloop.agents.demo_tasks.generator import DemoTask, instruction_text
+from oneloop.agents.demo_tasks.server import build_server
+from oneloop.agents.renderer import ChatRenderer
+
+_TOOLS = {ast.Add: "add", ast.Sub: "subtract", ast.Mult: "multiply", ast.Div: "divide"}
+
+
+def demo_tool_specs() -> list[dict[str, Any]]:
+    """The calculator server's tools in the shape the agent gives the renderer."""
+    server = build_server(Path(tempfile.gettempdir()) / "oneloop-sft-answer.txt")
+    tools = asyncio.run(server.list_tools())
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in tools]
+
+
+def _steps(expression: str) -> list[tuple[str, dict[str, Any]]]:
+    """Tool calls that evaluate `expression` innermost first: [(tool, {"a": .., "b": ..})]."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def visit(node: ast.expr) -> Fraction:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return Fraction(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -visit(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _TOOLS:
+            a, b = visit(node.left), visit(node.right)
+            calls.append((_TOOLS[type(node.op)], {"a": _num(a), "b": _num(b)}))
+            ops = {"add": a + b, "subtract": a - b, "multiply": a * b,
+                   "divide": a / b if b else Fraction(0)}
+            return ops[calls[-1][0]]
+        raise ValueError(f"not a demo expression: {ast.dump(node)}")
+
+    visit(ast.parse(expression, mode="eval").body)
+    return calls
+
+
+def _num(value: Fraction) -> int | float:
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def demonstration(task: DemoTask, renderer: ChatRenderer, tools: list[dict[str, Any]],
+                  system_prompt: str | None) -> tuple[list[int], list[float]]:
+    """Token ids of one solved episode and weights (1 on the assistant's tokens)."""
+    server = build_server(Path(tempfile.mkdtemp(prefix="oneloop-sft-")) / "answer.txt")
+    messages: list[dict[str, Any]] = []
+    if system_prompt is not None:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": instruction_text(task.question)})
+    tokens = renderer.initial_prompt(messages, tools)
+    weights = [0.0] * len(tokens)
+    calls = [*_steps(task.question.text), ("submit_answer", {"answer": task.question.answer})]
+    for name, arguments in calls:
+        reply = {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function",
+                                 "function": {"name": name, "arguments": arguments}}]}
+        assistant = _assistant_tokens(renderer, messages, reply, tools)
+        tokens += assistant
+        weights += [1.0] * len(assistant)
+        result = asyncio.run(server.call_tool(name, arguments))
+        text = "".join(getattr(c, "text", "") for c in result.content)
+        observation = [{"role": "tool", "tool_call_id": "call_0", "name": name, "content": text}]
+        delta = renderer.observation_delta(observation, after_stop_token=True)
+        tokens += delta
+        weights += [0.0] * len(delta)
+        messages += [reply, *observation]
+    final = {"role": "assistant", "content": f"The answer is {task.question.answer}."}
+    assistant = _assistant_tokens(renderer, messages, final, tools)
+    return tokens + assistant, weights + [1.0] * len(assistant)
+
+
+def _assistant_tokens(renderer: ChatRenderer, messages: list[dict[str, Any]],
+                      reply: dict[str, Any], tools: list[dict[str, Any]]) -> list[int]:
+    """The assistant turn's tokens up to and including its stop token, as the template renders it."""
+    before = renderer.render_text(messages, tools=tools, add_generation_prompt=True)
+    after = renderer.render_text([*messages, reply], tools=tools)
+    if not after.startswith(before):
+        raise ValueError("chat_template: an assistant turn does not extend the generation prompt")
+    text = after[len(before):]
+    stops = [(text.find(s), s) for s in renderer.stop_strings if s in text]
+    if not stops:
+        raise ValueError("chat_template: the assistant turn has no stop token")
+    position, stop = min(stops)
+    return renderer.encode(text[: position + len(stop)])
+
+
+def sft_datum(tokens: Sequence[int], weights: Sequence[float], scale: float) -> types.Datum:
+    """Next-token datum: targets shifted by one, weights scaled (token-mean over the batch)."""
+    w = np.asarray(weights[1:], dtype=np.float32) * scale
+    return types.Datum(model_input=types.ModelInput.from_ints(list(tokens[:-1])),
+                       loss_fn_inputs={"target_tokens": list(tokens[1:]), "weights": w})
+
+
+async def sft_warm_start(trainer: Any, demos: list[tuple[list[int], list[float]]], steps: int,
+                         batch_size: int, learning_rate: float, seed: int, timeout_s: float,
+                         log: Any) -> None:
+    """`steps` cross_entropy steps over shuffled demonstrations (token-mean per batch)."""
+    rng = np.random.default_rng(seed)
+    adam = types.AdamParams(learning_rate=learning_rate, grad_clip_norm=1.0)
+    for step in range(steps):
+        picks = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
+        batch = [demos[i] for i in picks]
+        total = sum(sum(w) for _, w in batch)
+        data = [sft_datum(t, w, 1.0 / total) for t, w in batch]
+        fwd = trainer.forward_backward(data, "cross_entropy")
+        opt = trainer.optim_step(adam)
+        async with asyncio.timeout(timeout_s):
+            out = await fwd
+            await opt
+        log(step, {"sft/loss_per_token": out.metrics["loss:sum"],
+                   "sft/tokens": float(total)})
+
+
+def demo_system_prompt() -> str | None:
+    """The demo uses no system prompt: the instruction says what to do."""
+    return None
+
+
+def dump_demo(tokens: list[int], weights: list[float], renderer: ChatRenderer) -> str:
+    """A readable rendering (for debugging): the text with trained spans in brackets."""
+    return json.dumps({"text": renderer.decode(tokens), "trained": int(sum(weights))})

@@ -1,0 +1,204 @@
+"""The demo task family: generator, shipped MCP server (real stdio sessions), Harbor verifier."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import tomllib
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from harbor.models.task.config import EnvironmentConfig as TaskEnvironmentConfig
+from harbor.models.task.task import Task
+from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
+from harbor.models.trial.paths import TrialPaths
+from harbor.trial.trial import Trial
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.shared.exceptions import MCPError
+
+from oneloop.agents.demo_tasks import Difficulty, Fault, generate_tasks
+from oneloop.agents.demo_tasks.server import CRASH_EXIT_CODE, HUGE_RESULT_CHARS
+from oneloop.agents.environment import (
+    NO_CONTAINER_IMPORT_PATH,
+    STDIO_EXIT_PREFIX,
+    NoContainerEnvironment,
+)
+from oneloop.errors import ConfigError
+
+MCP_TIMEOUT_SEC = 30.0
+
+
+def test_generation_is_deterministic_split_and_correct(tmp_path: Path) -> None:
+    a = generate_tasks(tmp_path / "a", n_train=12, n_eval=6, seed=7)
+    b = generate_tasks(tmp_path / "b", n_train=12, n_eval=6, seed=7)
+    c = generate_tasks(tmp_path / "c", n_train=12, n_eval=6, seed=8)
+    assert [t.question for t in a.train + a.eval] == [t.question for t in b.train + b.eval]
+    assert [t.question for t in a.train] != [t.question for t in c.train]
+    for ta, tb in zip(a.train + a.eval, b.train + b.eval, strict=True):
+        for name in ("instruction.md", "task.toml", "tests/test.sh", "solution/solve.sh"):
+            assert (ta.path / name).read_bytes() == (tb.path / name).read_bytes()
+    assert not {t.question.text for t in a.train} & {t.question.text for t in a.eval}
+    assert [t.question.difficulty for t in a.train[:3]] == list(Difficulty)
+    for task in a.train + a.eval:
+        # An independent oracle: Python's own arithmetic on the question text.
+        assert eval(task.question.text) == task.question.answer  # noqa: S307
+        assert f"What is {task.question.text}?" in (task.path / "instruction.md").read_text()
+    with pytest.raises(ConfigError, match="n_train"):
+        generate_tasks(tmp_path / "bad", n_train=-1, n_eval=0, seed=0)
+
+
+def test_task_toml_is_valid_for_harbor(tmp_path: Path) -> None:
+    splits = generate_tasks(tmp_path, n_train=1, n_eval=1, seed=0, agent_timeout_sec=42.0)
+    task = Task(splits.train[0].path)
+    config = task.config
+    assert config.agent.timeout_sec == 42.0
+    assert config.verifier.timeout_sec > 0
+    assert config.metadata["difficulty"] == splits.train[0].question.difficulty.value
+    assert config.metadata["split"] == "train"
+    (server,) = config.environment.mcp_servers
+    assert server.transport == "stdio"
+    assert server.command == sys.executable
+    assert server.args[:2] == ["-m", "oneloop.agents.demo_tasks.server"]
+    assert tomllib.loads((splits.eval[0].path / "task.toml").read_text())["metadata"]["split"] == (
+        "eval"
+    )
+
+
+def _environment(tmp_path: Path, name: str) -> NoContainerEnvironment:
+    trial_paths = TrialPaths(tmp_path / "trials" / name)
+    trial_paths.mkdir()
+    return NoContainerEnvironment(
+        environment_dir=tmp_path / "no-env-dir",
+        environment_name="demo",
+        session_id=name,
+        trial_paths=trial_paths,
+        task_env_config=TaskEnvironmentConfig(),
+        root_base_dir=tmp_path / "roots",
+    )
+
+
+@asynccontextmanager
+async def calculator_session(env: NoContainerEnvironment, *server_args: str):
+    """A real stdio MCP session with the shipped server, started inside the environment."""
+    command, args = env.stdio_command(
+        sys.executable, ["-m", "oneloop.agents.demo_tasks.server", *server_args]
+    )
+    params = StdioServerParameters(command=command, args=args)
+    with open(os.devnull, "w") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write, read_timeout_seconds=MCP_TIMEOUT_SEC) as session:
+                await asyncio.wait_for(session.initialize(), MCP_TIMEOUT_SEC)
+                yield session
+
+
+def _text(result) -> str:
+    return "".join(block.text for block in result.content)
+
+
+def test_mcp_server_tools_and_submit_answer_land_in_the_trial(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        env = _environment(tmp_path, "mcp")
+        await env.start(False)
+        try:
+            async with calculator_session(env) as session:
+                tools = await session.list_tools()
+                assert {t.name for t in tools.tools} == {
+                    "add", "subtract", "multiply", "divide", "submit_answer",
+                }  # fmt: skip
+                assert _text(await session.call_tool("add", {"a": 17, "b": "25"})) == "42"
+                assert _text(await session.call_tool("subtract", {"a": "3", "b": "10"})) == "-7"
+                assert _text(await session.call_tool("multiply", {"a": "42", "b": "3"})) == "126"
+                assert _text(await session.call_tool("divide", {"a": 126, "b": 4.0})) == "31.5"
+                bad = await session.call_tool("divide", {"a": "1", "b": "0"})
+                assert bad.is_error and "division by zero" in _text(bad)
+                nan = await session.call_tool("add", {"a": "x", "b": "1"})
+                assert nan.is_error and "not a number" in _text(nan)
+                await session.call_tool("submit_answer", {"answer": " 126 "})
+            # The server ran in the trial's namespace: the answer is in this trial's agent dir.
+            assert (env.trial_paths.agent_dir / "answer.txt").read_text() == "126\n"
+            assert not Path("/logs/agent/answer.txt").exists()
+        finally:
+            await env.stop(delete=True)
+
+    asyncio.run(scenario())
+
+
+def test_mcp_server_fault_knobs(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        env = _environment(tmp_path, "faults")
+        await env.start(False)
+        try:
+            async with calculator_session(env, "--huge-tool", "add") as session:
+                huge = await session.call_tool("add", {"a": "1", "b": "2"})
+                assert len(_text(huge)) == HUGE_RESULT_CHARS
+            async with calculator_session(env, "--hang-tool", "add") as session:
+                with pytest.raises(MCPError, match="[Tt]imed out"):
+                    await session.call_tool("add", {"a": "1", "b": "2"}, read_timeout_seconds=0.5)
+                # The server still answers other tools while one call hangs.
+                assert _text(await session.call_tool("multiply", {"a": "2", "b": "3"})) == "6"
+            with pytest.raises(ExceptionGroup) as crashed:
+                async with calculator_session(env, "--crash-after", "1") as session:
+                    await session.call_tool("add", {"a": "1", "b": "2"})
+            closed = crashed.value.subgroup(
+                lambda e: isinstance(e, MCPError) and "Connection closed" in str(e)
+            )
+            assert closed is not None
+            # The environment recorded the crash (status 3) for the trial runner; the servers
+            # the client closed normally left no record.
+            (record,) = env.trial_paths.agent_dir.glob(f"{STDIO_EXIT_PREFIX}*.txt")
+            assert record.read_text().startswith(f"{CRASH_EXIT_CODE} ")
+        finally:
+            await env.stop(delete=True)
+
+    asyncio.run(scenario())
+
+
+def test_mcp_server_refuses_to_run_outside_an_environment(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "oneloop.agents.demo_tasks.server",
+         "--answer-path", str(tmp_path / "missing" / "answer.txt")],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "start the server inside the trial's environment" in done.stderr
+
+
+def _run_trial(task_path: Path, trials_dir: Path, agent: str):
+    async def scenario():
+        config = TrialConfig(
+            task=TaskConfig(path=task_path),
+            trials_dir=trials_dir,
+            agent=AgentConfig(name=agent),
+            environment=EnvironmentConfig(import_path=NO_CONTAINER_IMPORT_PATH),
+        )
+        trial = await asyncio.wait_for(Trial.create(config), 60)
+        return await asyncio.wait_for(trial.run(), 120)
+
+    return asyncio.run(scenario())
+
+
+def test_verifier_rewards_right_wrong_and_missing_answers(tmp_path: Path) -> None:
+    splits = generate_tasks(tmp_path / "tasks", n_train=2, n_eval=0, seed=3)
+    right = _run_trial(splits.train[0].path, tmp_path / "trials", "oracle")
+    assert right.exception_info is None
+    assert right.verifier_result.rewards == {"reward": 1.0}
+
+    wrong_task = splits.train[1]
+    solve = wrong_task.path / "solution" / "solve.sh"
+    solve.write_text(solve.read_text().replace(
+        f"echo {wrong_task.question.answer} ", f"echo {wrong_task.question.answer + 1} "
+    ))  # fmt: skip
+    wrong = _run_trial(wrong_task.path, tmp_path / "trials", "oracle")
+    assert wrong.exception_info is None
+    assert wrong.verifier_result.rewards == {"reward": 0.0}
+
+    nothing = _run_trial(splits.train[0].path, tmp_path / "trials", "nop")
+    assert nothing.verifier_result.rewards == {"reward": 0.0}
+
+
+def test_no_reward_fault_makes_harbor_report_a_missing_reward(tmp_path: Path) -> None:
+    splits = generate_tasks(tmp_path / "tasks", 1, 0, seed=0, fault=Fault.NO_REWARD)
+    result = _run_trial(splits.train[0].path, tmp_path / "trials", "oracle")
+    assert result.verifier_result is None
+    assert result.exception_info.exception_type == "RewardFileNotFoundError"
