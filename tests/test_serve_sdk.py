@@ -139,6 +139,9 @@ def test_training_sampling_and_checkpoint_flow(server, service_client, training)
     rest.delete_checkpoint(run_id, "sampler_weights/named").result(timeout=60)
     listed = rest.list_checkpoints(run_id).result(timeout=60)
     assert "sampler_weights/named" not in {c.checkpoint_id for c in listed.checkpoints}
+    runs = rest.list_training_runs().result(timeout=60)
+    assert run_id in {r.training_run_id for r in runs.training_runs}
+    assert training.get_tokenizer().encode("hello")
 
 
 def test_bad_requests_fail_with_user_errors(training):

@@ -1,5 +1,7 @@
 """JSON wire models of `oneloop serve`: strict parsing with errors that name the field."""
 
+import json
+
 import pytest
 from tinker import types
 
@@ -10,7 +12,7 @@ from oneloop.backends.megatron_local.serve.wire import (
     check_run_id,
     client_config,
     parse_json,
-    parse_sampling_params,
+    parse_sample_request,
     sampling_session_id,
     session_of,
     training_model_id,
@@ -41,14 +43,22 @@ def test_adam_params_arrive_under_their_wire_name():
     assert req.optim_params.learning_rate == 0.5
 
 
+def _sample_body(**params):
+    return json.dumps({"prompt": {"chunks": [{"tokens": [1], "type": "encoded_text"}]},
+                       "sampling_params": params, "sampling_session_id": "s:sample:0",
+                       "seq_id": 0, "type": "sample"}).encode()
+
+
 def test_sampling_params_are_strict():
-    ok = parse_sampling_params(types.SamplingParams(max_tokens=3, stop=[1, 2], temperature=0.5))
-    assert ok.max_tokens == 3 and ok.stop == [1, 2]
-    with pytest.raises(WireError, match="unknown keys"):
-        parse_sampling_params(types.SamplingParams.model_validate({"max_tokens": 1, "beam": 4}))
+    ok = parse_sample_request(_sample_body(max_tokens=3, stop=[1, 2], temperature=0.5))
+    assert ok.sampling_params.max_tokens == 3 and ok.sampling_params.stop == [1, 2]
+    with pytest.raises(WireError, match="sampling_params.beam"):
+        parse_sample_request(_sample_body(max_tokens=1, beam=4))
     for bad in ({"max_tokens": 0}, {"top_p": 0.0}, {"temperature": -1.0}, {"top_k": -5}):
         with pytest.raises(WireError, match=f"sampling_params.{next(iter(bad))}"):
-            parse_sampling_params(types.SamplingParams(**bad))
+            parse_sample_request(_sample_body(**bad))
+    with pytest.raises(WireError, match="JSON object"):
+        parse_sample_request(b"[1, 2]")
 
 
 def test_ids_and_checkpoint_names():

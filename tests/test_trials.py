@@ -208,8 +208,9 @@ def test_bad_input_names_the_field(ray_runtime, tmp_path) -> None:
 # real sampler, a real agent, a real MCP server and a real verifier.
 # ----------------------------------------------------------------------------------------------
 
-SFT_STEPS = 80
-SFT_LEARNING_RATE = 1e-2
+SFT_STEPS = 120
+AGENT_TASK_SEED = 1
+SFT_LEARNING_RATE = 5e-3
 
 
 def _tool_call(name: str, arguments: dict) -> str:
@@ -292,8 +293,11 @@ def _sft_sampling_client(
 @pytest.fixture(scope="module")
 def agent_setup(ray_runtime, local_service, tiny_model_path, tmp_path_factory):
     work = tmp_path_factory.mktemp("agent-tasks")
+    # The tests' own task (seed AGENT_TASK_SEED) plus a few others: the tiny model memorises the
+    # reply for these prompts, so the test prompt must be among them.
     splits = generate_tasks(work / "seed-tasks", n_train=3, n_eval=0, seed=21)
-    instructions = [(t.path / "instruction.md").read_text() for t in splits.train]
+    (own,) = generate_tasks(work / "own-task", n_train=1, n_eval=0, seed=AGENT_TASK_SEED).train
+    instructions = [(t.path / "instruction.md").read_text() for t in (own, *splits.train)]
     tools = asyncio.run(asyncio.wait_for(_tool_specs(splits.train[0].path, work), 60))
     clients = {
         name: _sft_sampling_client(local_service, tiny_model_path, reply, instructions, tools)
@@ -330,6 +334,12 @@ def agent_runner(tmp_path: Path, model_dir: Path, **overrides) -> TrialRunner:
     )
 
 
+def agent_task(tmp_path: Path, fault: Fault = Fault.NONE):
+    """The one task the tiny model was taught on (same seed), with `fault` injected."""
+    (task,) = generate_tasks(tmp_path / "tasks", 1, 0, seed=AGENT_TASK_SEED, fault=fault).train
+    return task
+
+
 def run_agent_group(runner: TrialRunner, task: Path, n: int, client) -> GroupResult:
     async def go() -> GroupResult:
         return await asyncio.wait_for(runner.run_group(task, n, client), GROUP_TIMEOUT_SEC)
@@ -347,7 +357,7 @@ def _agent_metadata(tmp_path: Path, result) -> dict:
 @needs_mcp_capability
 def test_agent_tool_hang_times_out_the_call_and_the_trial_completes(agent_setup, tmp_path):
     clients, model_dir = agent_setup
-    (task,) = generate_tasks(tmp_path / "tasks", 1, 0, seed=1, fault=Fault.TOOL_HANG).train
+    task = agent_task(tmp_path, Fault.TOOL_HANG)
     runner = agent_runner(tmp_path, model_dir, tool_timeout_s=1.0)
     (result,) = run_agent_group(runner, task.path, 1, clients["add"]).results
     assert result.outcome is TrialOutcome.OK, result.error
@@ -362,7 +372,7 @@ def test_agent_megabyte_tool_text_is_truncated(agent_setup, tmp_path):
     from oneloop.agents.renderer import ChatRenderer
 
     clients, model_dir = agent_setup
-    (task,) = generate_tasks(tmp_path / "tasks", 1, 0, seed=1, fault=Fault.TOOL_HUGE).train
+    task = agent_task(tmp_path, Fault.TOOL_HUGE)
     runner = agent_runner(tmp_path, model_dir)
     (result,) = run_agent_group(runner, task.path, 1, clients["add"]).results
     assert result.outcome is TrialOutcome.OK, result.error
@@ -381,7 +391,7 @@ def test_agent_megabyte_tool_text_is_truncated(agent_setup, tmp_path):
 @needs_mcp_capability
 def test_agent_mcp_server_crash_is_infra_retried_then_masks_group(agent_setup, tmp_path):
     clients, model_dir = agent_setup
-    (task,) = generate_tasks(tmp_path / "tasks", 1, 0, seed=1, fault=Fault.SERVER_CRASH).train
+    task = agent_task(tmp_path, Fault.SERVER_CRASH)
     runner = agent_runner(tmp_path, model_dir, max_infra_retries=1)
     group = run_agent_group(runner, task.path, 1, clients["add"])
     (result,) = group.results
@@ -395,7 +405,7 @@ def test_agent_mcp_server_crash_is_infra_retried_then_masks_group(agent_setup, t
 @needs_mcp_capability
 def test_agent_invalid_tool_call_json_is_repaired_then_ends_with_reward_zero(agent_setup, tmp_path):
     clients, model_dir = agent_setup
-    (task,) = generate_tasks(tmp_path / "tasks", 1, 0, seed=1).train
+    task = agent_task(tmp_path)
     runner = agent_runner(tmp_path, model_dir, max_turns=6)
     (result,) = run_agent_group(runner, task.path, 1, clients["invalid_json"]).results
     assert result.outcome is TrialOutcome.OK, result.error

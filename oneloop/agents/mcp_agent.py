@@ -24,9 +24,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from harbor.agents.base import BaseAgent
+from harbor.agents.capabilities import AgentCapabilities
 from harbor.models.agent.context import AgentContext
 from harbor.models.agent.rollout_detail import RolloutDetail
 from harbor.models.task.config import MCPServerConfig
@@ -418,6 +419,8 @@ async def _sample_one(
 
 class McpToolAgent(BaseAgent):
     """Harbor agent: the TITO MCP tool loop above, configured by `McpAgentConfig` kwargs."""
+
+    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(mcp_servers=True)
 
     def __init__(
         self, logs_dir: Path, model_name: str | None = None, logger: Any = None,

@@ -50,6 +50,7 @@ class RolloutPool:
         filter_zero_variance: bool,
         group_timeout_s: float,
         seed: int,
+        max_failures_in_a_row: int = 20,
     ) -> None:
         self.runner = runner
         self.source = source
@@ -64,6 +65,8 @@ class RolloutPool:
         self._client: Any = None
         self._version = 0
         self._published = asyncio.Event()
+        self.failures_in_a_row = 0
+        self.max_failures_in_a_row = max_failures_in_a_row
         self._tasks = [
             asyncio.create_task(self._produce(), name=f"rollout-producer-{i}")
             for i in range(producers)
@@ -116,6 +119,16 @@ class RolloutPool:
         out["time/rollout_env_s"] = stats.env_sec
         return out
 
+    def _note_failure(self, result: GroupResult) -> None:
+        """Masked groups are re-run, but a harness that fails every time must stop the run."""
+        self.failures_in_a_row += 1
+        if self.failures_in_a_row >= self.max_failures_in_a_row:
+            errors = [r.error for r in result.results if r.error]
+            raise RuntimeError(
+                f"{self.failures_in_a_row} rollout groups in a row were masked "
+                f"({result.mask_reason}); last error: {errors[-1] if errors else 'none recorded'}"
+            )
+
     # -- one producer ----------------------------------------------------------------------------
 
     async def _produce(self) -> None:
@@ -140,6 +153,9 @@ class RolloutPool:
                 log.warning("rollout group for %s failed (%s); re-queued", item.sample_id, error)
                 self.source.requeue(item)
                 self.gate.cancel(version)
+                self.failures_in_a_row += 1
+                if self.failures_in_a_row >= self.max_failures_in_a_row:
+                    raise
                 continue
             finally:
                 self.in_flight -= 1
@@ -163,7 +179,9 @@ class RolloutPool:
             stats.counts[f"groups_masked_{result.mask_reason}"] += 1
             self.source.requeue(item)
             self.gate.finish(accepted=False, version=version)
+            self._note_failure(result)
             return
+        self.failures_in_a_row = 0
         # A single masked trajectory (e.g. one agent timeout) leaves the group; the rest trains.
         kept = [r for r in result.results if not r.masked and r.trajectory is not None]
         stats.counts["trajectories_masked"] += len(result.results) - len(kept)

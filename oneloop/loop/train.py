@@ -212,7 +212,7 @@ async def rl(run: Run) -> dict[str, float]:
             pool.publish(sampler, step + 1)
             now = time.monotonic()
             metrics.update(pool.drain_metrics())
-            metrics.update(gate.metrics)
+            metrics.update(gate.metrics())
             metrics["staleness/batch_max"] = float(max(staleness, default=0))
             metrics.update({"time/wait_for_rollouts": waited, "time/sync": now - synced,
                             "time/step": now - started,

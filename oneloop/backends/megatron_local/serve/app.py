@@ -45,6 +45,7 @@ from .wire import (
     check_run_id,
     client_config,
     parse_json,
+    parse_sample_request,
     try_again_body,
 )
 
@@ -235,7 +236,7 @@ def build_app(
 
     @app.post(f"{v1}/asample")
     async def asample(request: Request) -> Response:
-        return _json(await service.asample(parse_json(types.SampleRequest, await request.body())))
+        return _json(await service.asample(parse_sample_request(await request.body())))
 
     # -- futures ---------------------------------------------------------------------------------
 
@@ -263,7 +264,11 @@ def build_app(
             s.backend.run_id for s in service.registry.models.values() if s.backend is not None
         )})
         page = run_ids[offset:offset + limit]
-        runs = [service.checkpoints.training_run(r, service.registry.slot_of_run(r)) for r in page]
+        runs = []
+        for run_id in page:
+            with contextlib.suppress(WireError):  # a run whose checkpoints were all deleted
+                runs.append(service.checkpoints.training_run(
+                    run_id, service.registry.slot_of_run(run_id)))
         cursor = types.Cursor(offset=offset, limit=limit, total_count=len(run_ids))
         return _json(types.TrainingRunsResponse(training_runs=runs, cursor=cursor))
 

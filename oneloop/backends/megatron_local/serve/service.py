@@ -42,7 +42,6 @@ from .state import CheckpointStore, ModelSlot, Registry, SamplerSlot
 from .wire import (
     WireError,
     failed_future_body,
-    parse_sampling_params,
     sampling_session_id,
     session_of,
     training_model_id,
@@ -416,7 +415,7 @@ class ServeService:
         if last_n is not None and (not req.prompt_logprobs or not 1 <= last_n <= prompt_len - 1):
             raise WireError("prompt_logprobs_last_n: needs prompt_logprobs and must be in "
                             f"[1, {prompt_len - 1}]")
-        params = parse_sampling_params(req.sampling_params)
+        params = req.sampling_params
         slot = self.registry.sampler(req.sampling_session_id)
         self.registry.session(slot.session_id, "sampling_session_id")
         payload = digest(req.model_dump_json())

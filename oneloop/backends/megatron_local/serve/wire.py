@@ -23,6 +23,7 @@ Protocol facts (read from the SDK source, tinker 0.38):
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import pydantic
@@ -106,15 +107,26 @@ def describe_validation_error(error: pydantic.ValidationError) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-def parse_sampling_params(params: types.SamplingParams) -> types.SamplingParams:
-    """Re-check a request's sampling params strictly (the SDK type ignores unknown keys)."""
-    extra = set((params.model_extra or {}).keys())
-    if extra:
-        raise WireError(f"sampling_params: unknown keys {sorted(extra)}")
+def parse_sample_request(body: bytes) -> types.SampleRequest:
+    """A `SampleRequest` whose `sampling_params` are checked strictly (the SDK type ignores
+    unknown keys there, so they are checked on the raw JSON first)."""
     try:
-        return StrictSamplingParams.model_validate(params.model_dump()).to_tinker()
-    except pydantic.ValidationError as e:
-        raise WireError("sampling_params." + describe_validation_error(e)) from e
+        raw = json.loads(body)
+    except ValueError as e:
+        raise WireError(f"body: not JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise WireError("body: must be a JSON object")
+    params = raw.get("sampling_params")
+    strict = None
+    if isinstance(params, dict):
+        try:
+            strict = StrictSamplingParams.model_validate(params)
+        except pydantic.ValidationError as e:
+            raise WireError("sampling_params." + describe_validation_error(e)) from e
+    req = parse_json(types.SampleRequest, raw)
+    if strict is None:
+        return req
+    return req.model_copy(update={"sampling_params": strict.to_tinker()})
 
 
 CHECKPOINT_KINDS = ("weights", "sampler_weights")
