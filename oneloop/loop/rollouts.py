@@ -134,8 +134,10 @@ class RolloutPool:
     async def _produce(self) -> None:
         await self._published.wait()
         while True:
-            item = self.source.next()
+            # Admission first, then the task: tasks are handed out in admission order, so a
+            # step's batch is the same sample ids however long producers waited.
             version = await self.gate.acquire(timeout=None)
+            item = self.source.next()
             client = self._client
             self.in_flight += 1
             try:
