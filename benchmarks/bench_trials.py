@@ -6,8 +6,8 @@ p50 and p90 of each phase (queue, environment start, agent, LLM sampling and too
 agent reports them, verifier, whole trial). It also times MCP connect alone: starting the shipped
 calculator server inside an environment over stdio, initialising and listing its tools.
 
-    python benchmarks/bench_trials.py                       # Harbor's oracle agent
-    python benchmarks/bench_trials.py --agent mcp           # McpToolAgent + tiny model, local backend
+    python benchmarks/bench_trials.py               # Harbor's oracle agent
+    python benchmarks/bench_trials.py --agent mcp   # McpToolAgent + tiny model, local backend
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def _stats(values: list[float]) -> str:
         return "n/a"
     ordered = sorted(values)
     p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return f"mean {statistics.fmean(values):7.3f}  p50 {statistics.median(values):7.3f}  p90 {p90:7.3f}"
+    mean, p50 = statistics.fmean(values), statistics.median(values)
+    return f"mean {mean:7.3f}  p50 {p50:7.3f}  p90 {p90:7.3f}"
 
 
 async def _mcp_connect_times(work: Path, n: int) -> list[float]:

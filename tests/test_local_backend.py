@@ -248,3 +248,21 @@ def test_bad_input_names_the_field(trainer, make, match):
     with pytest.raises((RequestError, CapabilityError, CheckpointNotFoundError, ValueError),
                        match=match):
         make(trainer)
+
+
+def test_sampler_actor_crash_is_survived(local_service):
+    """Regression: a crashed sampler actor used to fail every later sample; Ray now restarts it
+    and the client re-installs its own weights, so sampling continues on the same weights."""
+    import ray
+
+    trainer = local_service.create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=8).result()
+    trainer.forward_backward([make_datum(random_tokens(4, 30))], "cross_entropy")
+    trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    client = trainer.save_weights_and_get_sampling_client(kind="inflight").result()
+    probe = types.ModelInput.from_ints(random_tokens(6, 25))
+    before = client.compute_logprobs(probe).result()
+    ray.kill(client._actor, no_restart=False)  # a crash: Ray restarts the actor with base weights
+    after = client.compute_logprobs(probe).result(timeout=300)
+    np.testing.assert_allclose(after[1:], before[1:], atol=1e-6)
+    out = client.sample(probe, 1, types.SamplingParams(max_tokens=4, seed=0)).result(timeout=300)
+    assert sampled_version(out.sequences[0]) == client.version

@@ -223,6 +223,33 @@ def test_thousand_concurrent_samples_complete_without_leaks(server, training):
     assert stats["pending"] == 0 and stats["running_tasks"] == 0 and stats["undelivered"] == 0
 
 
+def test_retried_asample_returns_the_original_future(server, training):
+    import httpx
+
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=300)
+    body = {"num_samples": 2, "prompt": {"chunks": [{"tokens": [301, 302],
+                                                     "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": 2, "seed": 5},
+            "sampling_session_id": sampler._sampling_session_id, "seq_id": 10**6,
+            "type": "sample"}
+    url = f"{server.base_url}/api/v1"
+    first = httpx.post(f"{url}/asample", json=body, timeout=60).json()
+    again = httpx.post(f"{url}/asample", json=body, timeout=60).json()
+    assert first == again and len(first["sample_sequence_ids"]) == 2
+    other = httpx.post(f"{url}/asample", json=dict(body, num_samples=1), timeout=60)
+    assert other.status_code == 409 and other.headers["x-should-retry"] == "false"
+    for _ in range(600):  # 408 means "still running, poll again" (long_poll_s is 0.5 here)
+        result = httpx.post(f"{url}/retrieve_future", json={"request_id": first["request_id"]},
+                            timeout=60)
+        if result.status_code != 408:
+            break
+    assert result.status_code == 200
+    assert result.headers["content-type"] == "application/x-protobuf"
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    assert len(deserialize_sample_response(result.content).sequences) == 2
+
+
 def test_finished_session_rejects_heartbeats(server, backend):
     client = tinker.ServiceClient(base_url=server.base_url, api_key=CLIENT_KEY)
     session_id = client.holder.get_session_id()

@@ -296,7 +296,11 @@ async def _run_one_trial(spec: dict[str, Any], sampling_client: Any) -> Trajecto
         error=error,
         attempts=1,
         trial_name=trial_name,
-        agent_outcome=str(metadata[METADATA_OUTCOME]) if METADATA_OUTCOME in metadata else None,
+        agent_outcome=(
+            str(metadata[METADATA_OUTCOME])
+            if metadata.get(METADATA_OUTCOME) is not None
+            else None
+        ),
     )
 
 

@@ -86,7 +86,13 @@ class TrainerActor:
         return self.sync_version
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
+class MissingWeightsError(RuntimeError):
+    """The sampler lacks the weights a client needs (it restarted, or they were replaced by older
+    ones after a restart); the client re-installs its own and retries."""
+
+
+# A sampler that dies (OOM, a crash) is restarted by Ray; clients re-install their weights.
+@ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1, max_task_retries=0)
 class SamplerActor:
     """Hosts one sampler engine (see `engines.base.SamplerEngine`) for one base model."""
 
@@ -109,9 +115,19 @@ class SamplerActor:
             return await asyncio.to_thread(fn, *args)
 
     async def set_weights(self, key: str, payload: tuple[int, dict[str, np.ndarray]]) -> int:
+        """Install `payload` as `key` unless a newer version is already there; returns the
+        version now installed (weights only move forward)."""
         version, weights = payload
+        if self.engine.has_weights(key) and self.engine.version(key) >= version:
+            return self.engine.version(key)
         await self._run(self.engine.set_weights, key, weights, version)
         return version
+
+    def _require(self, key: str, min_version: int) -> None:
+        if key in self.engine.evicted:
+            return  # the engine raises its own clear error
+        if not self.engine.has_weights(key) or self.engine.version(key) < min_version:
+            raise MissingWeightsError(f"sampler lacks weights {key!r} at version >= {min_version}")
 
     async def load_weights_from(self, key: str, directory: str) -> int:
         """Install the sampler checkpoint in `directory` as `key` unless it is already there."""
@@ -125,8 +141,12 @@ class SamplerActor:
     async def drop_weights(self, key: str) -> None:
         await self._run(self.engine.drop_weights, key)
 
-    async def sample(self, key: str, request: SampleRequest) -> SampleOutput:
+    async def sample(self, key: str, request: SampleRequest, min_version: int = 0) -> SampleOutput:
+        self._require(key, min_version)
         return await self._run(self.engine.sample, key, request)
 
-    async def prompt_logprobs(self, key: str, tokens: np.ndarray) -> np.ndarray:
+    async def prompt_logprobs(
+        self, key: str, tokens: np.ndarray, min_version: int = 0
+    ) -> np.ndarray:
+        self._require(key, min_version)
         return await self._run(self.engine.prompt_logprobs, key, tokens)

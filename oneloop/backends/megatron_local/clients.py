@@ -21,7 +21,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from oneloop.backends.capabilities import Capabilities, local_capabilities
 from oneloop.backends.config import BackendConfig
 from oneloop.backends.megatron_local import losses
-from oneloop.backends.megatron_local.actors import SamplerActor, TrainerActor
+from oneloop.backends.megatron_local.actors import MissingWeightsError, SamplerActor, TrainerActor
 from oneloop.backends.megatron_local.engines.base import (
     DatumArrays,
     ForwardResult,
@@ -29,11 +29,13 @@ from oneloop.backends.megatron_local.engines.base import (
     SampleOutput,
     SampleRequest,
 )
-from oneloop.backends.megatron_local.futures import chain, completed
+from oneloop.backends.megatron_local.futures import chain, chain_with_recovery, completed
 from oneloop.backends.megatron_local.paths import TinkerPath, check_component
 from oneloop.backends.sequence_ids import make_sequence_id
 from oneloop.errors import CapabilityError, RequestError
 
+# Attempts (about one per second) to reach a restarting sampler before a request fails.
+RESTART_ATTEMPTS = 120
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
@@ -130,8 +132,12 @@ class LocalSamplingClient:
         eos_ids: tuple[int, ...],
         context_length: int,
         version: int,
+        restore: Any = None,
     ) -> None:
         self._actor = actor
+        # How to put this client's weights back on a restarted sampler: the weights' ObjectRef
+        # (published weights) or a checkpoint directory (path clients); None for the base model.
+        self._restore = restore
         self._key = key
         self.sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
         self.base_model = base_model
@@ -200,7 +206,25 @@ class LocalSamplingClient:
             ]
             return types.SampleResponse(sequences=sequences, prompt_logprobs_np=out.prompt_logprobs)
 
-        return chain(self._actor.sample.remote(self._key, request), convert)
+        return self._call(lambda: self._actor.sample.remote(self._key, request, self.version),
+                          convert)
+
+    def _call(self, submit: Any, convert: Any) -> AwaitableConcurrentFuture:
+        """Submit, and if the sampler restarted or lacks this client's weights, re-install them
+        and resubmit (weights only move forward, so a newer version is kept)."""
+
+        def recover() -> Any:
+            if isinstance(self._restore, str):
+                return self._actor.load_weights_from.remote(self._key, self._restore)
+            if self._restore is not None:
+                return self._actor.set_weights.remote(self._key, self._restore)
+            return self._actor.ready.remote()
+
+        def recoverable(error: BaseException) -> bool:
+            return isinstance(error, MissingWeightsError | ray.exceptions.RayActorError
+                              | ray.exceptions.ActorUnavailableError)
+
+        return chain_with_recovery(submit, convert, recover, recoverable, attempts=RESTART_ATTEMPTS)
 
     def compute_logprobs(
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
@@ -218,7 +242,9 @@ class LocalSamplingClient:
                 out[:cut] = [None] * cut
             return out
 
-        return chain(self._actor.prompt_logprobs.remote(self._key, tokens), convert)
+        return self._call(
+            lambda: self._actor.prompt_logprobs.remote(self._key, tokens, self.version), convert
+        )
 
     def get_tokenizer(self):
         from transformers import AutoTokenizer
@@ -386,7 +412,7 @@ class LocalTrainingClient:
         return chain(
             installed,
             lambda version: self._service.sampling_client(
-                sampler, key, self.base_model, self._model_dir, None, version
+                sampler, key, self.base_model, self._model_dir, None, version, payload
             ),
         )
 
@@ -478,10 +504,11 @@ class LocalServiceClient:
         model_dir: Path,
         model_path: str | None,
         version: int,
+        restore: Any = None,
     ) -> LocalSamplingClient:
         eos_ids, context = self._sampler_info[str(model_dir)]
         return LocalSamplingClient(
-            actor, key, base_model, str(model_dir), model_path, eos_ids, context, version
+            actor, key, base_model, str(model_dir), model_path, eos_ids, context, version, restore
         )
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
@@ -609,7 +636,7 @@ class LocalServiceClient:
         return chain(
             loaded,
             lambda version: self.sampling_client(
-                actor, key, meta["base_model"], model_dir, model_path, version
+                actor, key, meta["base_model"], model_dir, model_path, version, str(directory)
             ),
         )
 

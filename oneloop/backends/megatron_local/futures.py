@@ -4,6 +4,8 @@ Awaitable, `.result(timeout)`, `.future()`, exactly like the SDK's. Ray wraps an
 in `RayTaskError`; we re-raise the original (a `RequestError` stays a `RequestError`).
 """
 
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -46,3 +48,44 @@ def completed[T](value: T) -> AwaitableConcurrentFuture[T]:
     out: Future[T] = Future()
     out.set_result(value)
     return AwaitableConcurrentFuture(out)
+
+
+def chain_with_recovery[T](
+    submit: Callable[[], "ray.ObjectRef"],
+    convert: Callable[[Any], T],
+    recover: Callable[[], "ray.ObjectRef"],
+    should_recover: Callable[[BaseException], bool],
+    attempts: int = 3,
+) -> AwaitableConcurrentFuture[T]:
+    """Like `chain(submit(), convert)`, but an error `should_recover` accepts runs `recover()`
+    (e.g. re-install weights on a restarted actor) and resubmits, up to `attempts` times."""
+    out: Future[T] = Future()
+
+    def start(left: int) -> None:
+        upstream = submit().future()
+        upstream.add_done_callback(lambda f: done(f, left))
+
+    def done(finished: Future[Any], left: int) -> None:
+        try:
+            out.set_result(convert(finished.result()))
+        except BaseException as error:  # noqa: BLE001 - delivered to whoever awaits the future
+            cause = _unwrap(error)
+            if left > 1 and (should_recover(cause) or should_recover(error)):
+                # Recover off Ray's callback thread: a blocking get there could deadlock.
+                threading.Thread(target=retry, args=(left,), daemon=True).start()
+            else:
+                out.set_exception(cause)
+
+    def retry(left: int) -> None:
+        try:
+            ray.get(recover(), timeout=RECOVER_TIMEOUT_S)
+        except BaseException:  # noqa: BLE001 - the actor may still be restarting: try again
+            time.sleep(1.0)
+        start(left - 1)
+
+    start(attempts)
+    return AwaitableConcurrentFuture(out)
+
+
+# How long re-installing weights on a restarted actor may take.
+RECOVER_TIMEOUT_S = 300.0

@@ -119,10 +119,19 @@ def _backend(config: ServeConfig) -> Any:
 def run_server(config: ServeConfig, backend: Any = None) -> None:
     """Serve until interrupted (blocking)."""
     check_bind(config.host, config.api_key)
-    server, _ = _uvicorn(config, backend if backend is not None else _backend(config))
+    owned = backend is None
+    backend = _backend(config) if owned else backend
+    server, _ = _uvicorn(config, backend)
     logger.warning("oneloop serve on http://%s:%d (API key %s)", config.host, config.port,
                    "required" if config.api_key else "not required: loopback only")
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn has already shut down in order; it re-raises the captured SIGINT.
+        pass
+    finally:
+        if owned:
+            backend.close()
 
 
 class ServerThread:
