@@ -7,7 +7,8 @@ Measures, in one run on the same machine and backend:
 - protobuf codec throughput in tokens/s: the SDK's request encoder + our decoder, and our
   ForwardBackwardOutput encoder + the SDK's decoder.
 
-Both paths drive twin models (same base model, LoRA rank and seed) and alternate run by run.
+Both paths drive twin models (same base model, LoRA rank and seed); runs alternate, and which
+path goes first alternates too. Medians are reported.
 Usage: `python benchmarks/bench_serve.py [--tokens N] [--repeats R] [--json out.json]`.
 """
 
@@ -107,11 +108,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         train_step(via_serve, warm)
         train_step(in_process, warm)
 
-        step_serve, step_local, output = [], [], None
-        for _ in range(args.repeats):
-            seconds, output = timed(lambda: train_step(via_serve, data))
-            step_serve.append(seconds)
-            step_local.append(timed(lambda: train_step(in_process, data))[0])
+        step_serve: list[float] = []
+        step_local: list[float] = []
+        output = None
+        for repeat in range(args.repeats):  # alternate which path goes first
+            for path in (("serve", "local") if repeat % 2 == 0 else ("local", "serve")):
+                if path == "serve":
+                    seconds, output = timed(lambda: train_step(via_serve, data))
+                    step_serve.append(seconds)
+                else:
+                    step_local.append(timed(lambda: train_step(in_process, data))[0])
 
         prompt = types.ModelInput.from_ints(list(range(300, 332)))
         params = types.SamplingParams(max_tokens=args.max_tokens, seed=0, stop=[])
@@ -120,12 +126,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             timeout=TIMEOUT_S)
         for sampler in (sampler_serve, sampler_local):  # warm-up
             sampler.sample(prompt, 1, params).result(timeout=TIMEOUT_S)
-        sample_serve, sample_local = [], []
-        for _ in range(args.repeats):
-            sample_serve.append(timed(lambda: sampler_serve.sample(
-                prompt, args.num_samples, params).result(timeout=TIMEOUT_S))[0])
-            sample_local.append(timed(lambda: sampler_local.sample(
-                prompt, args.num_samples, params).result(timeout=TIMEOUT_S))[0])
+        sample_serve: list[float] = []
+        sample_local: list[float] = []
+        for repeat in range(args.repeats):
+            pairs = ((sampler_serve, sample_serve), (sampler_local, sample_local))
+            for sampler, times in pairs if repeat % 2 == 0 else pairs[::-1]:
+                times.append(timed(lambda s=sampler: s.sample(
+                    prompt, args.num_samples, params).result(timeout=TIMEOUT_S))[0])
         sdk.close("success").result(timeout=60)
 
     med = statistics.median

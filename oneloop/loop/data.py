@@ -24,13 +24,20 @@ class TaskSource:
     """Deterministic, resumable stream of training tasks."""
 
     def __init__(
-        self, tasks: list[Path], seed: int, cursor: int = 0, consumed: set[str] | None = None
+        self,
+        tasks: list[Path],
+        seed: int,
+        cursor: int = 0,
+        consumed: set[str] | None = None,
+        max_attempts: int = 3,
     ) -> None:
         if not tasks:
             raise ValueError("tasks: the training split is empty")
         self.tasks = sorted(tasks)
         self.seed = seed
         self.consumed: set[str] = set(consumed or ())
+        self.attempts: dict[str, int] = {}
+        self.max_attempts = max_attempts
         self.cursor = 0
         self._requeued: deque[str] = deque()
         # Everything handed out before the resume point and not trained is re-run first.
@@ -59,9 +66,18 @@ class TaskSource:
             self.cursor += 1
         return TaskItem(sample_id, self._task(sample_id))
 
-    def requeue(self, item: TaskItem) -> None:
-        """A group for `item` was abandoned (timeout, masked): run it again before new tasks."""
+    def requeue(self, item: TaskItem) -> bool:
+        """A group for `item` was abandoned (timeout, masked): run it again before new tasks.
+
+        After `max_attempts` abandoned groups the task is dropped instead (marked consumed, so a
+        resume does not retry it either); returns False then.
+        """
+        self.attempts[item.sample_id] = self.attempts.get(item.sample_id, 0) + 1
+        if self.attempts[item.sample_id] >= self.max_attempts:
+            self.consumed.add(item.sample_id)
+            return False
         self._requeued.appendleft(item.sample_id)
+        return True
 
     def mark_consumed(self, sample_ids: list[str]) -> None:
         """These ids were trained on; a second time is a bug."""

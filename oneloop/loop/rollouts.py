@@ -119,6 +119,12 @@ class RolloutPool:
         out["time/rollout_env_s"] = stats.env_sec
         return out
 
+    def _requeue(self, item: TaskItem) -> None:
+        if not self.source.requeue(item):
+            self.stats.counts["tasks_dropped"] += 1
+            log.warning("task %s (%s) failed %d times; dropped", item.sample_id, item.task,
+                        self.source.max_attempts)
+
     def _note_failure(self, result: GroupResult) -> None:
         """Masked groups are re-run, but a harness that fails every time must stop the run."""
         self.failures_in_a_row += 1
@@ -147,13 +153,13 @@ class RolloutPool:
             except TimeoutError:
                 self.stats.counts["group_timeouts"] += 1
                 log.warning("rollout group for %s timed out; re-queued", item.sample_id)
-                self.source.requeue(item)
+                self._requeue(item)
                 self.gate.cancel(version)
                 continue
             except Exception as error:  # noqa: BLE001 - classified, counted, re-queued
                 self.stats.counts["group_errors"] += 1
                 log.warning("rollout group for %s failed (%s); re-queued", item.sample_id, error)
-                self.source.requeue(item)
+                self._requeue(item)
                 self.gate.cancel(version)
                 self.failures_in_a_row += 1
                 if self.failures_in_a_row >= self.max_failures_in_a_row:
@@ -179,7 +185,7 @@ class RolloutPool:
             stats.env_sec += trial.timings.env_start_sec + trial.timings.verifier_sec
         if result.masked:
             stats.counts[f"groups_masked_{result.mask_reason}"] += 1
-            self.source.requeue(item)
+            self._requeue(item)
             self.gate.finish(accepted=False, version=version)
             self._note_failure(result)
             return

@@ -185,14 +185,15 @@ async def evaluate(run: Run, prefix: str) -> dict[str, float]:
     return metrics
 
 
-async def rl(run: Run) -> dict[str, float]:
+async def rl(run: Run, runner: Any = None) -> dict[str, float]:
+    """RL steps until `algo.max_steps`; `runner` (default: Harbor trials) runs rollout groups."""
     cfg, algo = run.cfg, run.cfg.algo
     source = TaskSource(run.train_tasks, algo.seed, run.state.cursor, set(run.state.consumed))
     gate = StalenessGate(algo.max_staleness, algo.groups_per_step, start_step=run.state.step)
     sampler = await publish(run)
     producers = max(1, min(cfg.rollout.max_concurrency // algo.group_size,
                            (algo.max_staleness + 1) * algo.groups_per_step))
-    pool = RolloutPool(_runner(run, cfg.agent.temperature), source, gate,
+    pool = RolloutPool(runner or _runner(run, cfg.agent.temperature), source, gate,
                        group_size=algo.group_size, producers=producers,
                        filter_zero_variance=algo.filter_zero_variance,
                        group_timeout_s=cfg.timeouts.group_s, seed=algo.seed)

@@ -1,0 +1,46 @@
+"""The loop keeps going through broken rollouts: failing environments and verifiers that write no
+reward are retried, their groups masked, the tasks dropped after three tries, and every event is
+counted in metrics.jsonl. (A crashed sampler actor is covered in test_local_backend.)"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from oneloop.agents.demo_tasks.generator import Difficulty, Fault, generate_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_run_survives_broken_tasks_and_counts_them(tmp_path):
+    tasks = tmp_path / "tasks"
+    good = generate_tasks(tmp_path / "good", 4, 1, 0, difficulties=(Difficulty.EASY,))
+    broken_env = generate_tasks(tmp_path / "env", 1, 1, 1, fault=Fault.ENV_START_FAIL)
+    no_reward = generate_tasks(tmp_path / "reward", 1, 1, 2, fault=Fault.NO_REWARD)
+    for split in ("train", "eval"):
+        (tasks / split).mkdir(parents=True)
+    for task in (*good.train, *broken_env.train, *no_reward.train):
+        shutil.copytree(task.path, tasks / "train" / f"{task.path.name}-{task.fault}")
+    for task in good.eval:
+        shutil.copytree(task.path, tasks / "eval" / task.path.name)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "demo-cpu",
+           "--run-dir", str(run_dir), f"backend.run_dir={tmp_path / 'backend'}",
+           f"tasks.dir={tasks}", "sft=null", "eval=null", "algo.max_steps=2",
+           "algo.groups_per_step=2", "algo.group_size=2", "algo.max_staleness=1",
+           "algo.filter_zero_variance=false", "rollout.max_infra_retries=1",
+           "agent.max_turns=1", "agent.max_tokens_per_turn=8", "logging.console=false"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    totals: dict[str, float] = {}
+    for line in lines:
+        for key, value in line.items():
+            if key.startswith("rollout/"):
+                totals[key] = totals.get(key, 0.0) + value
+    assert [x["step"] for x in lines if "train/loss" in x] == [1, 2]
+    assert totals.get("rollout/groups_masked_infra_error_after_retries", 0) >= 1, totals
+    assert totals.get("rollout/outcome_infra_error", 0) >= 1, totals
+    checkpoint = json.loads((run_dir / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert len(checkpoint["consumed"]) == len(set(checkpoint["consumed"]))
