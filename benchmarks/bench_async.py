@@ -39,23 +39,43 @@ class HeavyTailedRunner:
             params = types.SamplingParams(max_tokens=8, seed=self.rng.randrange(2**31), stop=[])
             out = await client.sample(types.ModelInput.from_ints(prompt), 1, params)
             trajectory = Trajectory.start(prompt).append_sampled(
-                out.sequences[0], prompt=types.ModelInput.from_ints(prompt), fallback_version=0)
+                out.sequences[0], prompt=types.ModelInput.from_ints(prompt), fallback_version=0
+            )
             await asyncio.sleep(min(self.scale * self.rng.paretovariate(self.alpha), 60.0))
-            return TrajectoryResult(TrialOutcome.OK, float(self.rng.random() < 0.5),
-                                    trajectory.to_json(), TrialTimings(), None, 1, f"bench-{i}")
+            return TrajectoryResult(
+                TrialOutcome.OK,
+                float(self.rng.random() < 0.5),
+                trajectory.to_json(),
+                TrialTimings(),
+                None,
+                1,
+                f"bench-{i}",
+            )
+
         results = await asyncio.gather(*(one(i) for i in range(n)))
         return GroupResult(task=str(task), results=tuple(results), mask_reason=None)
 
 
 async def run_mode(staleness: int, steps: int, args: argparse.Namespace, root: Path) -> dict:
-    cfg = load_config("demo-cpu", [
-        f"run_dir={root / f's{staleness}'}", f"backend.run_dir={root / 'backend'}",
-        f"algo.max_steps={steps}", f"algo.max_staleness={staleness}",
-        f"algo.groups_per_step={args.groups}", f"algo.group_size={args.group_size}",
-        "algo.filter_zero_variance=false", "sft=null", "eval=null", "logging.console=false",
-        f"checkpoint.every_steps={steps}", "tasks.demo.n_train=8", "tasks.demo.n_eval=1",
-        f"rollout.max_concurrency={args.concurrency}",
-    ])
+    cfg = load_config(
+        "demo-cpu",
+        [
+            f"run_dir={root / f's{staleness}'}",
+            f"backend.run_dir={root / 'backend'}",
+            f"algo.max_steps={steps}",
+            f"algo.max_staleness={staleness}",
+            f"algo.groups_per_step={args.groups}",
+            f"algo.group_size={args.group_size}",
+            "algo.filter_zero_variance=false",
+            "sft=null",
+            "eval=null",
+            "logging.console=false",
+            f"checkpoint.every_steps={steps}",
+            "tasks.demo.n_train=8",
+            "tasks.demo.n_eval=1",
+            f"rollout.max_concurrency={args.concurrency}",
+        ],
+    )
     run = await setup(cfg, resume=False)
     started = time.monotonic()
     await rl(run, runner=HeavyTailedRunner(args.alpha, args.scale, seed=staleness))
@@ -64,8 +84,11 @@ async def run_mode(staleness: int, steps: int, args: argparse.Namespace, root: P
     run.service.close()
     rows = [r for r in read_metrics(cfg.run_dir / "metrics.jsonl") if "train/loss" in r]
     busy = sum(r["time/trainer_busy_frac"] for r in rows[1:]) / max(len(rows) - 1, 1)
-    return {"wall_s": wall, "trainer_busy_frac": busy,
-            "violations": max(r["staleness/violations"] for r in rows)}
+    return {
+        "wall_s": wall,
+        "trainer_busy_frac": busy,
+        "violations": max(r["staleness/violations"] for r in rows),
+    }
 
 
 def main() -> None:
@@ -80,8 +103,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         sync = asyncio.run(run_mode(0, args.steps, args, Path(root)))
         async_ = asyncio.run(run_mode(3, args.steps, args, Path(root)))
-    print(json.dumps({"sync_S0": sync, "async_S3": async_,
-                      "speedup_sync_over_async_wall": sync["wall_s"] / async_["wall_s"]}, indent=1))
+    print(
+        json.dumps(
+            {
+                "sync_S0": sync,
+                "async_S3": async_,
+                "speedup_sync_over_async_wall": sync["wall_s"] / async_["wall_s"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,19 +40,28 @@ def bench_local(args: argparse.Namespace) -> dict[str, float]:
     data = []
     for _ in range(n_datums):
         tokens = rng.integers(10, 1000, size=args.seq_len + 1).tolist()
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * args.seq_len}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * args.seq_len},
+            )
+        )
     tokens_per_step = n_datums * args.seq_len
     adam = types.AdamParams(learning_rate=1e-4)
-    adam_dict = {k: float(getattr(adam, k)) for k in
-                 ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
+    adam_dict = {
+        k: float(getattr(adam, k))
+        for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    }
     prompt = types.ModelInput.from_ints(rng.integers(10, 1000, size=64).tolist())
     params = types.SamplingParams(max_tokens=args.sample_tokens, seed=0, stop=[])
 
     # Direct: the engines in this process.
-    trainer = TorchTrainerEngine(model_dir, LoraSpec(args.rank, seed=0), threads=args.threads,
-                                 max_tokens_per_microbatch=args.microbatch)
+    trainer = TorchTrainerEngine(
+        model_dir,
+        LoraSpec(args.rank, seed=0),
+        threads=args.threads,
+        max_tokens_per_microbatch=args.microbatch,
+    )
     arrays = [datum_to_arrays(d, "cross_entropy", i) for i, d in enumerate(data)]
 
     def direct_train() -> None:
@@ -67,15 +76,19 @@ def bench_local(args: argparse.Namespace) -> dict[str, float]:
 
     t_direct_train = _median_time(direct_train, args.repeats)
     t_direct_sample = _median_time(direct_sample, args.repeats)
-    del trainer, sampler
 
     # Ray: the Tinker-shaped clients over actors.
     with tempfile.TemporaryDirectory() as run_dir:
-        service = connect(BackendConfig(backend="local", run_dir=Path(run_dir),
-                                        local={"max_tokens_per_microbatch": args.microbatch,
-                                               "torch_threads": args.threads}))
-        client = service.create_lora_training_client(TINY_MODEL_NAME, rank=args.rank,
-                                                     seed=0).result()
+        service = connect(
+            BackendConfig(
+                backend="local",
+                run_dir=Path(run_dir),
+                local={"max_tokens_per_microbatch": args.microbatch, "torch_threads": args.threads},
+            )
+        )
+        client = service.create_lora_training_client(
+            TINY_MODEL_NAME, rank=args.rank, seed=0
+        ).result()
         sampling = service.create_sampling_client(base_model=TINY_MODEL_NAME).result()
 
         def ray_train() -> None:

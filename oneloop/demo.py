@@ -23,6 +23,8 @@ def main(argv: list[str]) -> int:
     before = summary.get("eval_before/success_rate", float("nan"))
     after = summary.get("eval_after/success_rate", float("nan"))
     print(json.dumps({k: round(v, 4) for k, v in sorted(summary.items())}, indent=1))
-    print(f"held-out success: {before:.3f} after SFT -> {after:.3f} after RL "
-          f"({after - before:+.3f}); {time.time() - started:.0f}s; run dir {cfg.run_dir}")
+    print(
+        f"held-out success: {before:.3f} after SFT -> {after:.3f} after RL "
+        f"({after - before:+.3f}); {time.time() - started:.0f}s; run dir {cfg.run_dir}"
+    )
     return 0

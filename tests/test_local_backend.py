@@ -65,16 +65,17 @@ def test_one_batch_equals_two_halves_accumulated(local_service):
 
 def test_microbatching_does_not_change_results(tmp_path, tiny_model_path):
     """A tiny token budget (one datum per micro-batch) gives the same loss and logprobs."""
+    from oneloop.backends.megatron_local.clients import datum_to_arrays
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.torch_trainer import (
         TorchTrainerEngine,
         pack_microbatches,
     )
-    from oneloop.backends.megatron_local.clients import datum_to_arrays
 
     assert pack_microbatches([5, 5, 5, 9], 10) == [[0, 1], [2], [3]]
-    data = [datum_to_arrays(make_datum(random_tokens(i, 10 + i)), "cross_entropy", i)
-            for i in range(5)]
+    data = [
+        datum_to_arrays(make_datum(random_tokens(i, 10 + i)), "cross_entropy", i) for i in range(5)
+    ]
     big = TorchTrainerEngine(tiny_model_path, LoraSpec(4, seed=1), max_tokens_per_microbatch=4096)
     small = TorchTrainerEngine(tiny_model_path, LoraSpec(4, seed=1), max_tokens_per_microbatch=8)
     rb = big.forward_backward(data, "cross_entropy", None, forward_only=False)
@@ -120,8 +121,9 @@ def test_trainer_sampler_logprob_gap(trainer):
     """Target logprobs from forward_backward vs the sampler's on sampled tokens: < 1e-5 (fp32)."""
     sampler = trainer.save_weights_and_get_sampling_client(kind="inflight").result()
     prompt = random_tokens(8, 20)
-    out = sampler.sample(types.ModelInput.from_ints(prompt), 4,
-                         types.SamplingParams(max_tokens=24, seed=1, stop=[])).result()
+    out = sampler.sample(
+        types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=24, seed=1, stop=[])
+    ).result()
     data = [make_datum(prompt + s.tokens) for s in out.sequences]
     result = trainer.forward_backward(data, "cross_entropy").result()
     gaps = []
@@ -161,8 +163,9 @@ def test_inflight_and_snapshot_contracts(local_service):
     assert v_old is not None and v_snap is not None and v_old > v_snap
     # Sampler weights match what the trainer now computes.
     fwd = trainer.forward([make_datum(probe.to_ints() + [5])], "cross_entropy").result()
-    np.testing.assert_allclose(fwd.loss_fn_outputs[0]["logprobs"].to_numpy()[:-1], after_new,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        fwd.loss_fn_outputs[0]["logprobs"].to_numpy()[:-1], after_new, atol=1e-5
+    )
     # More snapshots than local.max_snapshots (2): the oldest fails with a clear error.
     for _ in range(2):
         trainer.save_weights_and_get_sampling_client(kind="snapshot").result()
@@ -201,8 +204,11 @@ def test_sampler_checkpoint_by_path_and_full_finetune(local_service):
     by_path = local_service.create_sampling_client(model_path=saved).result()
     live = full.save_weights_and_get_sampling_client().result()
     probe = types.ModelInput.from_ints(random_tokens(2, 20))
-    np.testing.assert_allclose(by_path.compute_logprobs(probe).result()[1:],
-                               live.compute_logprobs(probe).result()[1:], atol=1e-6)
+    np.testing.assert_allclose(
+        by_path.compute_logprobs(probe).result()[1:],
+        live.compute_logprobs(probe).result()[1:],
+        atol=1e-6,
+    )
     base = local_service.create_sampling_client(base_model=TINY_MODEL_NAME).result()
     assert base.compute_logprobs(probe).result()[0] is None
 
@@ -224,29 +230,52 @@ def test_futures_are_awaitable_and_ordered(trainer):
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda t: t.forward_backward([types.Datum(
-            model_input=types.ModelInput.from_ints([1, 2, 3]),
-            loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})], "cross_entropy"),
-         "target_tokens"),
+        (
+            lambda t: t.forward_backward(
+                [
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]},
+                    )
+                ],
+                "cross_entropy",
+            ),
+            "target_tokens",
+        ),
         (lambda t: t.forward_backward([make_datum([1, 2, 3, 4])], "ppo"), "logprobs"),
         (lambda t: t.forward_backward([make_datum([1, 2, 3, 4])], "nope"), "nope"),
-        (lambda t: t.forward_backward([types.Datum(
-            model_input=types.ModelInput.from_ints([1, 2, 3]),
-            loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [0.0, 0.0, 0.0],
-                            "advantages": [1.0, float("nan"), 0.0]})], "importance_sampling"),
-         "advantages"),
-        (lambda t: t._service.create_training_client_from_state(
-            "tinker://run-missing/weights/nothing"), "no checkpoint"),
-        (lambda t: t._service.create_training_client_from_state(
-            "tinker://../weights/x"), "run id"),
+        (
+            lambda t: t.forward_backward(
+                [
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={
+                            "target_tokens": [2, 3, 4],
+                            "logprobs": [0.0, 0.0, 0.0],
+                            "advantages": [1.0, float("nan"), 0.0],
+                        },
+                    )
+                ],
+                "importance_sampling",
+            ),
+            "advantages",
+        ),
+        (
+            lambda t: t._service.create_training_client_from_state(
+                "tinker://run-missing/weights/nothing"
+            ),
+            "no checkpoint",
+        ),
+        (lambda t: t._service.create_training_client_from_state("tinker://../weights/x"), "run id"),
         (lambda t: t._service.create_lora_training_client(TINY_MODEL_NAME, rank=4096), "rank"),
         (lambda t: t._service.create_lora_training_client("no/such-model", rank=4), "base_model"),
         (lambda t: t.optim_step(types.AdamParams(learning_rate=-1.0)), "learning_rate"),
     ],
 )
 def test_bad_input_names_the_field(trainer, make, match):
-    with pytest.raises((RequestError, CapabilityError, CheckpointNotFoundError, ValueError),
-                       match=match):
+    with pytest.raises(
+        (RequestError, CapabilityError, CheckpointNotFoundError, ValueError), match=match
+    ):
         make(trainer)
 
 

@@ -25,12 +25,27 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path):
     for task in good.eval:
         shutil.copytree(task.path, tasks / "eval" / task.path.name)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "demo-cpu",
-           "--run-dir", str(run_dir), f"backend.run_dir={tmp_path / 'backend'}",
-           f"tasks.dir={tasks}", "sft=null", "eval=null", "algo.max_steps=2",
-           "algo.groups_per_step=2", "algo.group_size=2", "algo.max_staleness=1",
-           "algo.filter_zero_variance=false", "rollout.max_infra_retries=1",
-           "agent.max_turns=1", "agent.max_tokens_per_turn=8", "logging.console=false"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        "demo-cpu",
+        "--run-dir",
+        str(run_dir),
+        f"backend.run_dir={tmp_path / 'backend'}",
+        f"tasks.dir={tasks}",
+        "sft=null",
+        "eval=null",
+        "algo.max_steps=2",
+        "algo.groups_per_step=2",
+        "algo.group_size=2",
+        "algo.max_staleness=1",
+        "algo.filter_zero_variance=false",
+        "rollout.max_infra_retries=1",
+        "agent.max_turns=1",
+        "agent.max_tokens_per_turn=8",
+        "logging.console=false",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

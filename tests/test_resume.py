@@ -11,16 +11,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DETERMINISTIC = [
-    "algo.max_steps=3", "algo.groups_per_step=2", "algo.group_size=2", "algo.max_staleness=0",
-    "algo.filter_zero_variance=false", "tasks.demo.n_train=6", "tasks.demo.n_eval=2",
-    "agent.max_turns=2", "agent.max_tokens_per_turn=12", "checkpoint.every_steps=1",
-    "logging.console=false", "sft=null", "eval=null",
+    "algo.max_steps=3",
+    "algo.groups_per_step=2",
+    "algo.group_size=2",
+    "algo.max_staleness=0",
+    "algo.filter_zero_variance=false",
+    "tasks.demo.n_train=6",
+    "tasks.demo.n_eval=2",
+    "agent.max_turns=2",
+    "agent.max_tokens_per_turn=12",
+    "checkpoint.every_steps=1",
+    "logging.console=false",
+    "sft=null",
+    "eval=null",
 ]
 
 
 def command(run_dir: Path, backend_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "demo-cpu",
-            "--run-dir", str(run_dir), f"backend.run_dir={backend_dir}", *DETERMINISTIC, *extra]
+    return [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        "demo-cpu",
+        "--run-dir",
+        str(run_dir),
+        f"backend.run_dir={backend_dir}",
+        *DETERMINISTIC,
+        *extra,
+    ]
 
 
 def steps(run_dir: Path) -> dict[int, dict]:
@@ -30,14 +48,23 @@ def steps(run_dir: Path) -> dict[int, dict]:
 
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     reference = tmp_path / "reference"
-    done = subprocess.run(command(reference, tmp_path / "ref-backend"), cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        command(reference, tmp_path / "ref-backend"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     crashed = tmp_path / "crashed"
-    proc = subprocess.Popen(command(crashed, tmp_path / "crash-backend"), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command(crashed, tmp_path / "crash-backend"),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     checkpoints = crashed / "checkpoints.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
@@ -50,8 +77,13 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     killed_at = json.loads(checkpoints.read_text().splitlines()[-1])["step"]
     assert killed_at < 3
 
-    resumed = subprocess.run(command(crashed, tmp_path / "crash-backend", "--resume"), cwd=ROOT,
-                             capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(
+        command(crashed, tmp_path / "crash-backend", "--resume"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ref, res = steps(reference), steps(crashed)
     assert sorted(res) == [1, 2, 3]

@@ -13,10 +13,20 @@ from oneloop.loop.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
-    "algo.max_steps=2", "algo.groups_per_step=2", "algo.group_size=2", "algo.max_staleness=0",
-    "algo.filter_zero_variance=false", "tasks.demo.n_train=4", "tasks.demo.n_eval=2",
-    "sft.steps=2", "sft.batch_size=2", "agent.max_turns=2", "agent.max_tokens_per_turn=16",
-    "eval.n_tasks=2", "checkpoint.every_steps=1", "logging.console=false",
+    "algo.max_steps=2",
+    "algo.groups_per_step=2",
+    "algo.group_size=2",
+    "algo.max_staleness=0",
+    "algo.filter_zero_variance=false",
+    "tasks.demo.n_train=4",
+    "tasks.demo.n_eval=2",
+    "sft.steps=2",
+    "sft.batch_size=2",
+    "agent.max_turns=2",
+    "agent.max_tokens_per_turn=16",
+    "eval.n_tasks=2",
+    "checkpoint.every_steps=1",
+    "logging.console=false",
 ]
 
 
@@ -44,8 +54,16 @@ def test_unsupported_knob_fails_before_the_run(tmp_path):
 
 def test_train_script_runs_two_steps(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "demo-cpu",
-           "--run-dir", str(run_dir), f"backend.run_dir={tmp_path / 'backend'}", *SMALL]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        "demo-cpu",
+        "--run-dir",
+        str(run_dir),
+        f"backend.run_dir={tmp_path / 'backend'}",
+        *SMALL,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

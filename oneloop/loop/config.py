@@ -178,7 +178,9 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
         if self.sft is not None and self.tasks.dir is not None:
-            raise ValueError("sft: the warm start needs demonstrations; it supports the demo task family only (tasks.dir must be null)")
+            raise ValueError(
+                "sft: the warm start needs demonstrations; it supports the demo task family only (tasks.dir must be null)"
+            )
         return self
 
 

@@ -122,8 +122,12 @@ class RolloutPool:
     def _requeue(self, item: TaskItem) -> None:
         if not self.source.requeue(item):
             self.stats.counts["tasks_dropped"] += 1
-            log.warning("task %s (%s) failed %d times; dropped", item.sample_id, item.task,
-                        self.source.max_attempts)
+            log.warning(
+                "task %s (%s) failed %d times; dropped",
+                item.sample_id,
+                item.task,
+                self.source.max_attempts,
+            )
 
     def _note_failure(self, result: GroupResult) -> None:
         """Masked groups are re-run, but a harness that fails every time must stop the run."""
@@ -171,10 +175,12 @@ class RolloutPool:
 
     async def _run(self, item: TaskItem, client: Any, version: int) -> GroupResult:
         seed = sample_seed(item.sample_id, self.seed)
-        per_trial = [{"seed": seed + 7_777 * i, "sampler_version": version}
-                     for i in range(self.group_size)]
-        return await self.runner.run_group(item.task, self.group_size, client,
-                                           agent_kwargs=per_trial)
+        per_trial = [
+            {"seed": seed + 7_777 * i, "sampler_version": version} for i in range(self.group_size)
+        ]
+        return await self.runner.run_group(
+            item.task, self.group_size, client, agent_kwargs=per_trial
+        )
 
     def _accept_or_drop(self, item: TaskItem, result: GroupResult, version: int) -> None:
         stats = self.stats

@@ -29,8 +29,17 @@ def demo_tool_specs() -> list[dict[str, Any]]:
     """The calculator server's tools in the shape the agent gives the renderer."""
     server = build_server(Path(tempfile.gettempdir()) / "oneloop-sft-answer.txt")
     tools = asyncio.run(server.list_tools())
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in tools]
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description or "",
+                "parameters": t.input_schema,
+            },
+        }
+        for t in tools
+    ]
 
 
 def _steps(expression: str) -> list[tuple[str, dict[str, Any]]]:
@@ -45,8 +54,12 @@ def _steps(expression: str) -> list[tuple[str, dict[str, Any]]]:
         if isinstance(node, ast.BinOp) and type(node.op) in _TOOLS:
             a, b = visit(node.left), visit(node.right)
             calls.append((_TOOLS[type(node.op)], {"a": _num(a), "b": _num(b)}))
-            ops = {"add": a + b, "subtract": a - b, "multiply": a * b,
-                   "divide": a / b if b else Fraction(0)}
+            ops = {
+                "add": a + b,
+                "subtract": a - b,
+                "multiply": a * b,
+                "divide": a / b if b else Fraction(0),
+            }
             return ops[calls[-1][0]]
         raise ValueError(f"not a demo expression: {ast.dump(node)}")
 
@@ -58,8 +71,9 @@ def _num(value: Fraction) -> int | float:
     return int(value) if value.denominator == 1 else float(value)
 
 
-def demonstration(task: DemoTask, renderer: ChatRenderer, tools: list[dict[str, Any]],
-                  system_prompt: str | None) -> tuple[list[int], list[float]]:
+def demonstration(
+    task: DemoTask, renderer: ChatRenderer, tools: list[dict[str, Any]], system_prompt: str | None
+) -> tuple[list[int], list[float]]:
     """Token ids of one solved episode and weights (1 on the assistant's tokens)."""
     server = build_server(Path(tempfile.mkdtemp(prefix="oneloop-sft-")) / "answer.txt")
     messages: list[dict[str, Any]] = []
@@ -70,9 +84,13 @@ def demonstration(task: DemoTask, renderer: ChatRenderer, tools: list[dict[str, 
     weights = [0.0] * len(tokens)
     calls = [*_steps(task.question.text), ("submit_answer", {"answer": task.question.answer})]
     for name, arguments in calls:
-        reply = {"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function",
-                                 "function": {"name": name, "arguments": arguments}}]}
+        reply = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": name, "arguments": arguments}}
+            ],
+        }
         assistant = _assistant_tokens(renderer, messages, reply, tools)
         tokens += assistant
         weights += [1.0] * len(assistant)
@@ -88,14 +106,18 @@ def demonstration(task: DemoTask, renderer: ChatRenderer, tools: list[dict[str, 
     return tokens + assistant, weights + [1.0] * len(assistant)
 
 
-def _assistant_tokens(renderer: ChatRenderer, messages: list[dict[str, Any]],
-                      reply: dict[str, Any], tools: list[dict[str, Any]]) -> list[int]:
+def _assistant_tokens(
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    reply: dict[str, Any],
+    tools: list[dict[str, Any]],
+) -> list[int]:
     """The assistant turn's tokens up to and including its stop token, as the template renders it."""
     before = renderer.render_text(messages, tools=tools, add_generation_prompt=True)
     after = renderer.render_text([*messages, reply], tools=tools)
     if not after.startswith(before):
         raise ValueError("chat_template: an assistant turn does not extend the generation prompt")
-    text = after[len(before):]
+    text = after[len(before) :]
     stops = [(text.find(s), s) for s in renderer.stop_strings if s in text]
     if not stops:
         raise ValueError("chat_template: the assistant turn has no stop token")
@@ -106,13 +128,22 @@ def _assistant_tokens(renderer: ChatRenderer, messages: list[dict[str, Any]],
 def sft_datum(tokens: Sequence[int], weights: Sequence[float], scale: float) -> types.Datum:
     """Next-token datum: targets shifted by one, weights scaled (token-mean over the batch)."""
     w = np.asarray(weights[1:], dtype=np.float32) * scale
-    return types.Datum(model_input=types.ModelInput.from_ints(list(tokens[:-1])),
-                       loss_fn_inputs={"target_tokens": list(tokens[1:]), "weights": w})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(list(tokens[:-1])),
+        loss_fn_inputs={"target_tokens": list(tokens[1:]), "weights": w},
+    )
 
 
-async def sft_warm_start(trainer: Any, demos: list[tuple[list[int], list[float]]], steps: int,
-                         batch_size: int, learning_rate: float, seed: int, timeout_s: float,
-                         log: Any) -> None:
+async def sft_warm_start(
+    trainer: Any,
+    demos: list[tuple[list[int], list[float]]],
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    timeout_s: float,
+    log: Any,
+) -> None:
     """`steps` cross_entropy steps over shuffled demonstrations (token-mean per batch)."""
     rng = np.random.default_rng(seed)
     adam = types.AdamParams(learning_rate=learning_rate, grad_clip_norm=1.0)
@@ -126,8 +157,7 @@ async def sft_warm_start(trainer: Any, demos: list[tuple[list[int], list[float]]
         async with asyncio.timeout(timeout_s):
             out = await fwd
             await opt
-        log(step, {"sft/loss_per_token": out.metrics["loss:sum"],
-                   "sft/tokens": float(total)})
+        log(step, {"sft/loss_per_token": out.metrics["loss:sum"], "sft/tokens": float(total)})
 
 
 def demo_system_prompt() -> str | None:

@@ -78,29 +78,46 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     service = connect(cfg.backend)
     caps = capabilities(service, cfg.backend)
-    kind = "inflight" if cfg.algo.sampler_kind == "auto" and "inflight" in caps.sampler_kinds \
+    kind = (
+        "inflight"
+        if cfg.algo.sampler_kind == "auto" and "inflight" in caps.sampler_kinds
         else ("snapshot" if cfg.algo.sampler_kind == "auto" else cfg.algo.sampler_kind)
-    caps.check(loss_fns=[cfg.algo.loss_fn, *(["cross_entropy"] if cfg.sft else [])],
-               sampler_kind=kind, lora_rank=cfg.model.lora_rank, base_model=cfg.model.base_model)
+    )
+    caps.check(
+        loss_fns=[cfg.algo.loss_fn, *(["cross_entropy"] if cfg.sft else [])],
+        sampler_kind=kind,
+        lora_rank=cfg.model.lora_rank,
+        base_model=cfg.model.base_model,
+    )
     splits, train_tasks, eval_tasks = _tasks(cfg)
     previous = last_checkpoint(cfg.run_dir) if resume else None
     if previous is not None:
         trainer = await asyncio.wait_for(
             service.create_training_client_from_state_with_optimizer(previous.trainer_path),
-            cfg.timeouts.sync_s)
+            cfg.timeouts.sync_s,
+        )
         state = previous
     else:
-        trainer = await asyncio.wait_for(service.create_lora_training_client(
-            cfg.model.base_model, rank=cfg.model.lora_rank, seed=cfg.model.seed),
-            cfg.timeouts.sync_s)
+        trainer = await asyncio.wait_for(
+            service.create_lora_training_client(
+                cfg.model.base_model, rank=cfg.model.lora_rank, seed=cfg.model.seed
+            ),
+            cfg.timeouts.sync_s,
+        )
         state = LoopState(step=0, trainer_path="", cursor=0, sft_done=cfg.sft is None)
     if resume:
         truncate_after(cfg.run_dir / "metrics.jsonl", state.step)
-    logger = MetricsLogger(cfg.run_dir, console=cfg.logging.console, wandb=cfg.logging.wandb,
-                           tensorboard=cfg.logging.tensorboard, resume=resume)
+    logger = MetricsLogger(
+        cfg.run_dir,
+        console=cfg.logging.console,
+        wandb=cfg.logging.wandb,
+        tensorboard=cfg.logging.tensorboard,
+        resume=resume,
+    )
     tokenizer_path = trainer.get_info().model_data.tokenizer_id or cfg.model.base_model
-    return Run(cfg, service, trainer, tokenizer_path, splits, train_tasks, eval_tasks, state,
-               logger, kind)
+    return Run(
+        cfg, service, trainer, tokenizer_path, splits, train_tasks, eval_tasks, state, logger, kind
+    )
 
 
 def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]:
@@ -114,31 +131,44 @@ def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]
             raise ConfigError(f"tasks.dir: no Harbor tasks under {root / 'train'}")
         return None, train, held
     demo = cfg.tasks.demo
-    splits = generate_tasks(cfg.run_dir / "tasks", demo.n_train, demo.n_eval, demo.seed,
-                            difficulties=tuple(Difficulty(d) for d in demo.difficulties))
+    splits = generate_tasks(
+        cfg.run_dir / "tasks",
+        demo.n_train,
+        demo.n_eval,
+        demo.seed,
+        difficulties=tuple(Difficulty(d) for d in demo.difficulties),
+    )
     return splits, [t.path for t in splits.train], [t.path for t in splits.eval]
 
 
 def _runner(run: Run, temperature: float) -> TrialRunner:
     cfg = run.cfg
     agent = cfg.agent
-    return runner_for(TrialRunnerConfig(
-        trials_dir=cfg.run_dir / "trials",
-        agent_kwargs={
-            "tokenizer_path": run.tokenizer_path, "sampler_key": "set-by-runner",
-            "max_turns": agent.max_turns, "max_tokens_per_turn": agent.max_tokens_per_turn,
-            "context_window": agent.context_window, "tool_timeout_s": agent.tool_timeout_s,
-            "tool_result_max_chars": agent.tool_result_max_chars, "temperature": temperature,
-            "top_p": agent.top_p, "system_prompt": agent.system_prompt,
-        },
-        environment_import_path=cfg.rollout.environment_import_path,
-        max_concurrent_trials=min(cfg.rollout.max_concurrency,
-                                  (cfg.algo.max_staleness + 1) * cfg.algo.groups_per_step
-                                  * cfg.algo.group_size),
-        trials_per_second=cfg.rollout.trials_per_second,
-        trial_timeout_sec=cfg.rollout.trial_timeout_s,
-        max_infra_retries=cfg.rollout.max_infra_retries,
-    ))
+    return runner_for(
+        TrialRunnerConfig(
+            trials_dir=cfg.run_dir / "trials",
+            agent_kwargs={
+                "tokenizer_path": run.tokenizer_path,
+                "sampler_key": "set-by-runner",
+                "max_turns": agent.max_turns,
+                "max_tokens_per_turn": agent.max_tokens_per_turn,
+                "context_window": agent.context_window,
+                "tool_timeout_s": agent.tool_timeout_s,
+                "tool_result_max_chars": agent.tool_result_max_chars,
+                "temperature": temperature,
+                "top_p": agent.top_p,
+                "system_prompt": agent.system_prompt,
+            },
+            environment_import_path=cfg.rollout.environment_import_path,
+            max_concurrent_trials=min(
+                cfg.rollout.max_concurrency,
+                (cfg.algo.max_staleness + 1) * cfg.algo.groups_per_step * cfg.algo.group_size,
+            ),
+            trials_per_second=cfg.rollout.trials_per_second,
+            trial_timeout_sec=cfg.rollout.trial_timeout_s,
+            max_infra_retries=cfg.rollout.max_infra_retries,
+        )
+    )
 
 
 async def warm_start(run: Run) -> dict[str, float]:
@@ -149,8 +179,10 @@ async def warm_start(run: Run) -> dict[str, float]:
     renderer = ChatRenderer.from_pretrained(run.tokenizer_path)
     tools = await asyncio.to_thread(demo_tool_specs)
     demos = await asyncio.to_thread(
-        lambda: [demonstration(t, renderer, tools, cfg.agent.system_prompt)
-                 for t in run.splits.train])  # type: ignore[union-attr]
+        lambda: [
+            demonstration(t, renderer, tools, cfg.agent.system_prompt) for t in run.splits.train
+        ]
+    )  # type: ignore[union-attr]
     losses: list[float] = []
 
     def record(step: int, metrics: dict[str, float]) -> None:
@@ -158,11 +190,22 @@ async def warm_start(run: Run) -> dict[str, float]:
         if cfg.logging.console:
             print(f"sft {step + 1}/{cfg.sft.steps} | loss/token {losses[-1]:.4f}", flush=True)
 
-    await sft_warm_start(run.trainer, demos, cfg.sft.steps, cfg.sft.batch_size,
-                         cfg.sft.learning_rate, cfg.algo.seed, cfg.timeouts.train_s, record)
+    await sft_warm_start(
+        run.trainer,
+        demos,
+        cfg.sft.steps,
+        cfg.sft.batch_size,
+        cfg.sft.learning_rate,
+        cfg.algo.seed,
+        cfg.timeouts.train_s,
+        record,
+    )
     run.state = _replace(run.state, sft_done=True)
-    return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1],
-            "sft/steps": float(len(losses))}
+    return {
+        "sft/loss_first": losses[0],
+        "sft/loss_last": losses[-1],
+        "sft/steps": float(len(losses)),
+    }
 
 
 async def evaluate(run: Run, prefix: str) -> dict[str, float]:
@@ -171,17 +214,24 @@ async def evaluate(run: Run, prefix: str) -> dict[str, float]:
     assert cfg.eval is not None
     tasks = run.eval_tasks[: cfg.eval.n_tasks] if cfg.eval.n_tasks else run.eval_tasks
     sampler = await asyncio.wait_for(
-        run.trainer.save_weights_and_get_sampling_client(kind="snapshot"), cfg.timeouts.sync_s)
+        run.trainer.save_weights_and_get_sampling_client(kind="snapshot"), cfg.timeouts.sync_s
+    )
     runner = _runner(run, cfg.eval.temperature)
     k = cfg.eval.samples_per_task
-    groups = await asyncio.gather(*(
-        runner.run_group(t, k, sampler, agent_kwargs=[{"seed": 1000 + i} for i in range(k)])
-        for t in tasks))
+    groups = await asyncio.gather(
+        *(
+            runner.run_group(t, k, sampler, agent_kwargs=[{"seed": 1000 + i} for i in range(k)])
+            for t in tasks
+        )
+    )
     rewards = [float(r.reward or 0.0) for g in groups for r in g.results]
     infra = sum(1 for g in groups for r in g.results if r.masked)
-    metrics = {f"{prefix}/success_rate": sum(r > 0 for r in rewards) / max(len(rewards), 1),
-               f"{prefix}/reward_mean": sum(rewards) / max(len(rewards), 1),
-               f"{prefix}/masked": float(infra), f"{prefix}/n": float(len(rewards))}
+    metrics = {
+        f"{prefix}/success_rate": sum(r > 0 for r in rewards) / max(len(rewards), 1),
+        f"{prefix}/reward_mean": sum(rewards) / max(len(rewards), 1),
+        f"{prefix}/masked": float(infra),
+        f"{prefix}/n": float(len(rewards)),
+    }
     return metrics
 
 
@@ -191,12 +241,23 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
     source = TaskSource(run.train_tasks, algo.seed, run.state.cursor, set(run.state.consumed))
     gate = StalenessGate(algo.max_staleness, algo.groups_per_step, start_step=run.state.step)
     sampler = await publish(run)
-    producers = max(1, min(cfg.rollout.max_concurrency // algo.group_size,
-                           (algo.max_staleness + 1) * algo.groups_per_step))
-    pool = RolloutPool(runner or _runner(run, cfg.agent.temperature), source, gate,
-                       group_size=algo.group_size, producers=producers,
-                       filter_zero_variance=algo.filter_zero_variance,
-                       group_timeout_s=cfg.timeouts.group_s, seed=algo.seed)
+    producers = max(
+        1,
+        min(
+            cfg.rollout.max_concurrency // algo.group_size,
+            (algo.max_staleness + 1) * algo.groups_per_step,
+        ),
+    )
+    pool = RolloutPool(
+        runner or _runner(run, cfg.agent.temperature),
+        source,
+        gate,
+        group_size=algo.group_size,
+        producers=producers,
+        filter_zero_variance=algo.filter_zero_variance,
+        group_timeout_s=cfg.timeouts.group_s,
+        seed=algo.seed,
+    )
     pool.publish(sampler, run.state.step)
     summary: dict[str, float] = {}
     try:
@@ -215,9 +276,14 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
             metrics.update(pool.drain_metrics())
             metrics.update(gate.metrics())
             metrics["staleness/batch_max"] = float(max(staleness, default=0))
-            metrics.update({"time/wait_for_rollouts": waited, "time/sync": now - synced,
-                            "time/step": now - started,
-                            "time/trainer_busy_frac": 1.0 - waited / max(now - started, 1e-9)})
+            metrics.update(
+                {
+                    "time/wait_for_rollouts": waited,
+                    "time/sync": now - synced,
+                    "time/step": now - started,
+                    "time/trainer_busy_frac": 1.0 - waited / max(now - started, 1e-9),
+                }
+            )
             run.logger.log(step + 1, metrics)
             summary = metrics
             if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == algo.max_steps:
@@ -233,16 +299,22 @@ async def train_step(run: Run, groups: list[ScoredGroup]) -> dict[str, float]:
     datums, masks = build_datums(groups, algo.reduction, algo.std_normalize)
     started = time.monotonic()
     fwd = run.trainer.forward_backward(datums, algo.loss_fn, algo.loss_fn_config or None)
-    opt = run.trainer.optim_step(types.AdamParams(
-        learning_rate=algo.learning_rate, weight_decay=algo.weight_decay,
-        grad_clip_norm=algo.grad_clip_norm))
+    opt = run.trainer.optim_step(
+        types.AdamParams(
+            learning_rate=algo.learning_rate,
+            weight_decay=algo.weight_decay,
+            grad_clip_norm=algo.grad_clip_norm,
+        )
+    )
     async with asyncio.timeout(cfg.timeouts.train_s):
         output = await fwd
         optim = await opt
-    metrics = {"train/loss": output.metrics.get("loss:sum", 0.0),
-               "train/datums": float(len(datums)),
-               "train/tokens": float(sum(d.model_input.length for d in datums)),
-               "time/train": time.monotonic() - started}
+    metrics = {
+        "train/loss": output.metrics.get("loss:sum", 0.0),
+        "train/datums": float(len(datums)),
+        "train/tokens": float(sum(d.model_input.length for d in datums)),
+        "time/train": time.monotonic() - started,
+    }
     metrics.update({f"train/{k.split(':')[0]}": v for k, v in (optim.metrics or {}).items()})
     metrics.update(logprob_gap(datums, masks, output))
     rewards = [r for g in groups for r in g.rewards]
@@ -254,15 +326,22 @@ async def train_step(run: Run, groups: list[ScoredGroup]) -> dict[str, float]:
 async def publish(run: Run) -> Any:
     """New weights to the samplers: inflight where supported, snapshot otherwise."""
     return await asyncio.wait_for(
-        run.trainer.save_weights_and_get_sampling_client(kind=run.kind), run.cfg.timeouts.sync_s)
+        run.trainer.save_weights_and_get_sampling_client(kind=run.kind), run.cfg.timeouts.sync_s
+    )
 
 
 async def checkpoint(run: Run, step: int, source: TaskSource) -> None:
-    saved = await asyncio.wait_for(run.trainer.save_state(f"step-{step:06d}", overwrite=True),
-                                   run.cfg.timeouts.sync_s)
-    run.state = LoopState(step=step, trainer_path=saved.path, cursor=source.cursor,
-                          consumed=sorted(source.consumed), sft_done=run.state.sft_done,
-                          eval_before=run.state.eval_before)
+    saved = await asyncio.wait_for(
+        run.trainer.save_state(f"step-{step:06d}", overwrite=True), run.cfg.timeouts.sync_s
+    )
+    run.state = LoopState(
+        step=step,
+        trainer_path=saved.path,
+        cursor=source.cursor,
+        consumed=sorted(source.consumed),
+        sft_done=run.state.sft_done,
+        eval_before=run.state.eval_before,
+    )
     append_checkpoint(run.cfg.run_dir, run.state)
     write_plots(run.cfg.run_dir)
 
@@ -276,12 +355,29 @@ def _write_trajectories(run: Run, groups: list[ScoredGroup]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_path)
     with (run.cfg.run_dir / "trajectories.jsonl").open("a") as handle:
         for group in groups:
-            for trajectory, reward in list(zip(group.trajectories, group.rewards, strict=True))[:limit]:
-                segments = [{"kind": s.kind, "trained": s.kind == "sampled",
-                             "text": tokenizer.decode(list(s.tokens))} for s in trajectory.segments]
-                handle.write(json.dumps({"step": run.state.step, "sample_id": group.sample_id,
-                                         "version": group.version, "reward": reward,
-                                         "segments": segments}) + "\n")
+            for trajectory, reward in list(zip(group.trajectories, group.rewards, strict=True))[
+                :limit
+            ]:
+                segments = [
+                    {
+                        "kind": s.kind,
+                        "trained": s.kind == "sampled",
+                        "text": tokenizer.decode(list(s.tokens)),
+                    }
+                    for s in trajectory.segments
+                ]
+                handle.write(
+                    json.dumps(
+                        {
+                            "step": run.state.step,
+                            "sample_id": group.sample_id,
+                            "version": group.version,
+                            "reward": reward,
+                            "segments": segments,
+                        }
+                    )
+                    + "\n"
+                )
             limit -= 1
             if limit <= 0:
                 return

@@ -206,8 +206,9 @@ class LocalSamplingClient:
             ]
             return types.SampleResponse(sequences=sequences, prompt_logprobs_np=out.prompt_logprobs)
 
-        return self._call(lambda: self._actor.sample.remote(self._key, request, self.version),
-                          convert)
+        return self._call(
+            lambda: self._actor.sample.remote(self._key, request, self.version), convert
+        )
 
     def _call(self, submit: Any, convert: Any) -> AwaitableConcurrentFuture:
         """Submit, and if the sampler restarted or lacks this client's weights, re-install them
@@ -221,8 +222,12 @@ class LocalSamplingClient:
             return self._actor.ready.remote()
 
         def recoverable(error: BaseException) -> bool:
-            return isinstance(error, MissingWeightsError | ray.exceptions.RayActorError
-                              | ray.exceptions.ActorUnavailableError)
+            return isinstance(
+                error,
+                MissingWeightsError
+                | ray.exceptions.RayActorError
+                | ray.exceptions.ActorUnavailableError,
+            )
 
         return chain_with_recovery(submit, convert, recover, recoverable, attempts=RESTART_ATTEMPTS)
 
