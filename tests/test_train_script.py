@@ -78,3 +78,10 @@ def test_train_script_runs_two_steps(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "eval_before/success_rate" in summary and "eval_after/success_rate" in summary
     assert (run_dir / "trajectories.jsonl").is_file()
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "scripts/configs").glob("*.yaml")))
+def test_every_preset_validates_on_both_backends(preset):
+    for backend in ("local", "tinker"):
+        cfg = load_config(preset, [f"backend.backend={backend}"])
+        assert cfg.backend.backend == backend

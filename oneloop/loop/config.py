@@ -201,9 +201,9 @@ def resolve_config_path(name: str | Path) -> Path:
     path = Path(name)
     if path.is_file():
         return path
-    preset = PRESETS_DIR / (path.name if path.suffix else f"{path.name}.yaml")
-    if preset.is_file():
-        return preset
+    for candidate in (PRESETS_DIR / f"{path.name}.yaml", PRESETS_DIR / path.name):
+        if candidate.is_file():
+            return candidate
     presets = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
     raise ConfigError(f"config: {name!s} is neither a file nor a preset; presets: {presets}")
 
