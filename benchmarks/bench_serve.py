@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sample_s_serve": med(sample_serve),
         "sample_s_in_process": med(sample_local),
         "sample_ratio_serve_over_in_process": med(sample_serve) / med(sample_local),
+        "train_step_s_runs": {"serve": step_serve, "in_process": step_local},
+        "sample_s_runs": {"serve": sample_serve, "in_process": sample_local},
         "num_samples": args.num_samples,
         "sample_max_tokens": args.max_tokens,
         "repeats": args.repeats,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 from tinker import types
 
 from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate_tasks
@@ -77,6 +78,8 @@ async def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, float]:
 async def setup(cfg: TrainConfig, resume: bool) -> Run:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     service = connect(cfg.backend)
+    if not ray.is_initialized():  # the tinker backend: Ray still runs the trials
+        ray.init(include_dashboard=False, configure_logging=False)
     caps = capabilities(service, cfg.backend)
     kind = (
         "inflight"
