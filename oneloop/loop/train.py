@@ -54,6 +54,21 @@ class Run:
 async def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, float]:
     """Run SFT (if configured) and `algo.max_steps` RL steps; returns the final summary."""
     run = await setup(cfg, resume)
+    status = "errored"
+    try:
+        summary = await _run(run)
+        status = "success"
+        return summary
+    except asyncio.CancelledError:
+        status = "interrupted"
+        raise
+    finally:
+        run.logger.close()
+        await asyncio.wait_for(run.service.close(status), cfg.timeouts.sync_s)
+
+
+async def _run(run: Run) -> dict[str, float]:
+    cfg = run.cfg
     before: dict[str, float] = {}
     if not run.state.sft_done and cfg.sft is not None:
         before.update(await warm_start(run))
@@ -70,8 +85,6 @@ async def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, float]:
         summary.update(run.state.eval_before)
     write_plots(cfg.run_dir)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
-    run.logger.close()
-    run.service.close() if hasattr(run.service, "close") else None
     return summary
 
 

@@ -645,9 +645,13 @@ class LocalServiceClient:
             ),
         )
 
-    def close(self) -> None:
-        """Stop this client's actors (the Ray runtime itself stays up for other clients)."""
+    def close(
+        self, status: str = "success", detail: str | None = None
+    ) -> AwaitableConcurrentFuture[None]:
+        """Stop this client's actors (the Ray runtime stays up for other clients). Same signature
+        as the SDK's `ServiceClient.close(status, detail)`; returns a finished future."""
         for actor in [*self._trainers, *self._samplers.values()]:
             ray.kill(actor)
         self._trainers.clear()
         self._samplers.clear()
+        return completed(None)
