@@ -6,7 +6,7 @@ class OneloopError(Exception):
 
 
 class ConfigError(OneloopError, ValueError):
-    """A configuration value is missing, malformed or unsupported; the message names its dotted path."""
+    """A configuration value is missing, malformed or unsupported; the message names its path."""
 
 
 class CapabilityError(ConfigError):

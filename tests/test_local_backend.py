@@ -1,4 +1,4 @@
-"""The local backend through its Tinker-shaped clients, on real Ray actors with the torch engines."""
+"""The local backend through its Tinker-shaped clients, on real Ray actors, torch engines."""
 
 import asyncio
 

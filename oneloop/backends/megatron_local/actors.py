@@ -1,4 +1,4 @@
-"""Ray actors hosting the engines: one trainer actor per training model, one sampler actor per base model.
+"""Ray actors hosting the engines: a trainer actor per training model, a sampler per base model.
 
 The trainer actor is a plain (single-threaded) actor, so a model's calls run in submission order.
 The sampler actor is an async actor: many `sample` calls queue at once while one engine call runs in

@@ -1,4 +1,4 @@
-"""Trainer engine `torch`: a Hugging Face causal LM trained with LoRA (peft) or fully, on CPU or GPU.
+"""Trainer engine `torch`: a Hugging Face causal LM trained with LoRA (peft) or fully, CPU/GPU.
 
 - LoRA when the client's rank > 0 (peft; alpha = 32 like Tinker's service, dropout 0, B = 0 at
   init so a new model equals its base), full fine-tuning when rank == 0.
