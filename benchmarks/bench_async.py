@@ -29,13 +29,13 @@ from oneloop.loop.train import rl, setup
 class HeavyTailedRunner:
     """Rollouts = one real sample + a Pareto(alpha) × scale second sleep."""
 
-    def __init__(self, alpha: float, scale: float, seed: int) -> None:
-        self.alpha, self.scale = alpha, scale
+    def __init__(self, alpha: float, scale: float, seed: int, prompt_tokens: int) -> None:
+        self.alpha, self.scale, self.prompt_tokens = alpha, scale, prompt_tokens
         self.rng = random.Random(seed)
 
     async def run_group(self, task, n, client, agent_kwargs=None) -> GroupResult:
         async def one(i: int) -> TrajectoryResult:
-            prompt = [1, 40 + i, 50, 60, 70]
+            prompt = [1, 40 + i] + [50 + (j % 400) for j in range(self.prompt_tokens - 2)]
             params = types.SamplingParams(max_tokens=8, seed=self.rng.randrange(2**31), stop=[])
             out = await client.sample(types.ModelInput.from_ints(prompt), 1, params)
             trajectory = Trajectory.start(prompt).append_sampled(
@@ -78,7 +78,7 @@ async def run_mode(staleness: int, steps: int, args: argparse.Namespace, root: P
     )
     run = await setup(cfg, resume=False)
     started = time.monotonic()
-    await rl(run, runner=HeavyTailedRunner(args.alpha, args.scale, seed=staleness))
+    await rl(run, runner=HeavyTailedRunner(args.alpha, args.scale, staleness, args.prompt_tokens))
     wall = time.monotonic() - started
     run.logger.close()
     run.service.close()
@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--alpha", type=float, default=1.5, help="Pareto shape (heavier < 2)")
     parser.add_argument("--scale", type=float, default=0.5, help="seconds")
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="tokens per rollout prompt")
+    parser.add_argument("--only", choices=["both", "async"], default="both")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         sync = asyncio.run(run_mode(0, args.steps, args, Path(root)))

@@ -17,6 +17,7 @@ DETERMINISTIC = [
     "algo.filter_zero_variance=false", "tasks.demo.n_train=4", "tasks.demo.n_eval=2",
     "agent.max_turns=2", "agent.max_tokens_per_turn=12", "checkpoint.every_steps=2",
     "logging.console=false", "sft.steps=2", "sft.batch_size=2", "eval=null",
+    "model.lora_rank=32", "model.base_model=oneloop/tiny-qwen3",
 ]
 COMPARED = ("train/loss", "train/tokens", "train/datums", "train/reward_mean",
             "train/logprob_gap_mean", "train/grad_norm", "rollout/reward_mean")

@@ -471,10 +471,10 @@ class LocalServiceClient:
         """A base-model name → its local Hugging Face directory (config.models, tiny, or a path)."""
         if base_model in self.config.models:
             return self.config.models[base_model].resolve()
-        from oneloop.tiny_model import TINY_MODEL_NAME, build_tiny_model
+        from oneloop.tiny_model import TINY_MODEL_NAME, build_tiny_model, named_tiny_specs
 
-        if base_model == TINY_MODEL_NAME:
-            return build_tiny_model()
+        if base_model in named_tiny_specs():
+            return build_tiny_model(named_tiny_specs()[base_model])
         if Path(base_model).is_dir():
             return Path(base_model).resolve()
         raise CapabilityError(
@@ -517,7 +517,9 @@ class LocalServiceClient:
         )
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
-        names = sorted({*self.config.models, "oneloop/tiny-qwen3"})
+        from oneloop.tiny_model import named_tiny_specs
+
+        names = sorted({*self.config.models, *named_tiny_specs()})
         return types.GetServerCapabilitiesResponse(
             supported_models=[
                 types.SupportedModel(model_name=n, trainable=True, sampleable=True) for n in names
