@@ -11,16 +11,36 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DETERMINISTIC = [
-    "algo.max_steps=2", "algo.groups_per_step=2", "algo.group_size=2", "algo.max_staleness=0",
-    "algo.filter_zero_variance=false", "tasks.demo.n_train=4", "tasks.demo.n_eval=2",
-    "agent.max_turns=2", "agent.max_tokens_per_turn=12", "checkpoint.every_steps=2",
-    "logging.console=false", "sft.steps=2", "sft.batch_size=2", "eval=null",
-    "model.lora_rank=32", "model.base_model=oneloop/tiny-qwen3",
+    "algo.max_steps=2",
+    "algo.groups_per_step=2",
+    "algo.group_size=2",
+    "algo.max_staleness=0",
+    "algo.filter_zero_variance=false",
+    "tasks.demo.n_train=4",
+    "tasks.demo.n_eval=2",
+    "agent.max_turns=2",
+    "agent.max_tokens_per_turn=12",
+    "checkpoint.every_steps=2",
+    "logging.console=false",
+    "sft.steps=2",
+    "sft.batch_size=2",
+    "eval=null",
+    "model.lora_rank=32",
+    "model.base_model=oneloop/tiny-qwen3",
 ]
-COMPARED = ("train/loss", "train/tokens", "train/datums", "train/reward_mean",
-            "train/logprob_gap_mean", "train/grad_norm", "rollout/reward_mean")
+COMPARED = (
+    "train/loss",
+    "train/tokens",
+    "train/datums",
+    "train/reward_mean",
+    "train/logprob_gap_mean",
+    "train/grad_norm",
+    "rollout/reward_mean",
+)
 
 
 def free_port() -> int:
@@ -30,8 +50,17 @@ def free_port() -> int:
 
 
 def train(run_dir: Path, backend_dir: Path, *extra: str) -> None:
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "demo-cpu",
-           "--run-dir", str(run_dir), f"backend.run_dir={backend_dir}", *DETERMINISTIC, *extra]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        "demo-cpu",
+        "--run-dir",
+        str(run_dir),
+        f"backend.run_dir={backend_dir}",
+        *DETERMINISTIC,
+        *extra,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -46,14 +75,27 @@ def trained_tokens(run_dir: Path) -> list:
     return [(r["sample_id"], r["reward"], [s["text"] for s in r["segments"]]) for r in rows]
 
 
+@pytest.mark.timeout(1500)
 def test_local_and_tinker_backends_train_identically(tmp_path):
     train(tmp_path / "local", tmp_path / "local-backend")
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "oneloop.cli", "serve", "--port", str(port),
-         "--run-dir", str(tmp_path / "serve-backend")],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TINKER_API_KEY": "tml-local-test"})
+        [
+            sys.executable,
+            "-m",
+            "oneloop.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--run-dir",
+            str(tmp_path / "serve-backend"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TINKER_API_KEY": "tml-local-test"},
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -64,8 +106,16 @@ def test_local_and_tinker_backends_train_identically(tmp_path):
                 assert server.poll() is None, server.stderr.read()[-3000:]
                 assert time.monotonic() < deadline, "oneloop serve did not come up"
                 time.sleep(0.5)
-        train(tmp_path / "tinker", tmp_path / "unused", "--backend", "tinker",
-              "--base-url", f"http://127.0.0.1:{port}", "--api-key", "tml-local-test")
+        train(
+            tmp_path / "tinker",
+            tmp_path / "unused",
+            "--backend",
+            "tinker",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--api-key",
+            "tml-local-test",
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)

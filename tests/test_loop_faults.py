@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from oneloop.agents.demo_tasks.generator import Difficulty, Fault, generate_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(1500)
 def test_run_survives_broken_tasks_and_counts_them(tmp_path):
     tasks = tmp_path / "tasks"
     good = generate_tasks(tmp_path / "good", 4, 1, 0, difficulties=(Difficulty.EASY,))

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DETERMINISTIC = [
     "algo.max_steps=3",
@@ -46,6 +48,7 @@ def steps(run_dir: Path) -> dict[int, dict]:
     return {x["step"]: x for x in lines if "train/loss" in x}
 
 
+@pytest.mark.timeout(1500)
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     reference = tmp_path / "reference"
     done = subprocess.run(

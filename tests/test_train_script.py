@@ -52,6 +52,7 @@ def test_unsupported_knob_fails_before_the_run(tmp_path):
         TINKER_SERVICE.check(lora_rank=0)
 
 
+@pytest.mark.timeout(1500)
 def test_train_script_runs_two_steps(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
@@ -80,7 +81,9 @@ def test_train_script_runs_two_steps(tmp_path):
     assert (run_dir / "trajectories.jsonl").is_file()
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "scripts/configs").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "preset", sorted(p.stem for p in (ROOT / "scripts/configs").glob("*.yaml"))
+)
 def test_every_preset_validates_on_both_backends(preset):
     for backend in ("local", "tinker"):
         cfg = load_config(preset, [f"backend.backend={backend}"])
