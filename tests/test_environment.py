@@ -88,9 +88,7 @@ def test_two_environments_never_share_files(tmp_path: Path) -> None:
                     f"echo {mark} > /solution/m; echo {mark} > /installed-agent/m"
                 )
             for env, mark in ((one, "1"), (two, "2")):
-                seen = await env.exec(
-                    "cat /app/m /tmp/m /tests/m /solution/m /installed-agent/m"
-                )
+                seen = await env.exec("cat /app/m /tmp/m /tests/m /solution/m /installed-agent/m")
                 assert seen.stdout == f"{mark}\n" * 5
         finally:
             await asyncio.gather(one.stop(True), two.stop(True))

@@ -38,6 +38,7 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path):
         f"backend.run_dir={tmp_path / 'backend'}",
         f"tasks.dir={tasks}",
         "sft=null",
+        "model.base_model=oneloop/tiny-qwen3",
         "eval=null",
         "algo.max_steps=2",
         "algo.groups_per_step=2",

@@ -25,6 +25,7 @@ DETERMINISTIC = [
     "checkpoint.every_steps=1",
     "logging.console=false",
     "sft=null",
+    "model.base_model=oneloop/tiny-qwen3",
     "eval=null",
 ]
 

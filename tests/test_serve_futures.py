@@ -29,7 +29,8 @@ class Clock:
 
 def _store(clock=None) -> FutureStore:
     return FutureStore(
-        result_ttl_s=100.0, delivered_ttl_s=10.0,
+        result_ttl_s=100.0,
+        delivered_ttl_s=10.0,
         failure_body=lambda m, c: json.dumps(failed_future_body(m, c)).encode(),
         **({"clock": clock} if clock else {}),
     )
@@ -54,8 +55,7 @@ def test_long_poll_is_pending_then_returns_the_result():
         gate.set()
         outcome = await store.wait(rid, 5.0)
         assert outcome == _ok("done")
-        assert store.stats() == {"pending": 0, "undelivered": 0, "delivered": 1,
-                                 "running_tasks": 0}
+        assert store.stats() == {"pending": 0, "undelivered": 0, "delivered": 1, "running_tasks": 0}
 
     asyncio.run(main())
 
@@ -148,8 +148,9 @@ class RecordingClient:
 
 
 def _sequencer(store, client_future):
-    return ModelSequencer("s:train:0", store, client_future, submit_timeout_s=30.0,
-                          result_timeout_s=30.0)
+    return ModelSequencer(
+        "s:train:0", store, client_future, submit_timeout_s=30.0, result_timeout_s=30.0
+    )
 
 
 def _job_for(name):
@@ -171,8 +172,11 @@ def test_chunks_arriving_out_of_order_run_in_seq_order():
         r1 = seq.offer(1, "d1", "ForwardBackward", _job_for("chunk1"))
         outcomes = [await store.wait(r, 10.0) for r in (r1, r2, r3)]
         assert client.submitted == ["chunk1", "chunk2", "chunk3"]
-        assert [o.body for o in outcomes] == [b"result of chunk1", b"result of chunk2",
-                                              b"result of chunk3"]
+        assert [o.body for o in outcomes] == [
+            b"result of chunk1",
+            b"result of chunk2",
+            b"result of chunk3",
+        ]
         # A retried request gets the original future; a different payload is a 409.
         assert seq.offer(2, "d2", "ForwardBackward", _job_for("again")) == r2
         with pytest.raises(WireError) as conflict:

@@ -19,40 +19,85 @@ PROMPT = {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]}
 TEMPLATES = {
     "client/config": {"sdk_version": "0.38.0"},
     "client/dynamic_config": {"sdk_version": "0.38.0"},
-    "create_session": {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0",
-                       "type": "create_session"},
+    "create_session": {
+        "tags": [],
+        "user_metadata": {},
+        "sdk_version": "0.38.0",
+        "type": "create_session",
+    },
     "session_heartbeat": {"session_id": SESSION, "type": "session_heartbeat"},
     f"sessions/{SESSION}/finish": {"reason": {"type": "success"}, "detail": None},
-    "telemetry": {"events": [], "platform": "linux", "sdk_version": "0.38.0",
-                  "session_id": SESSION, "process_uuid": "p"},
-    "create_model": {"session_id": SESSION, "model_seq_id": 0, "base_model": "m",
-                     "lora_config": {"rank": 4}, "optimizer_config": {"type": "adamw"},
-                     "type": "create_model"},
+    "telemetry": {
+        "events": [],
+        "platform": "linux",
+        "sdk_version": "0.38.0",
+        "session_id": SESSION,
+        "process_uuid": "p",
+    },
+    "create_model": {
+        "session_id": SESSION,
+        "model_seq_id": 0,
+        "base_model": "m",
+        "lora_config": {"rank": 4},
+        "optimizer_config": {"type": "adamw"},
+        "type": "create_model",
+    },
     "get_info": {"model_id": f"{SESSION}:train:0", "type": "get_info"},
-    "load_weights": {"session_id": SESSION, "model_seq_id": 1, "path": "tinker://r/weights/a",
-                     "optimizer": True, "type": "load_weights"},
-    "optim_step": {"adam_params": {"learning_rate": 0.001}, "model_id": f"{SESSION}:train:0",
-                   "seq_id": 1, "type": "optim_step"},
-    "save_weights": {"model_id": f"{SESSION}:train:0", "path": "a", "seq_id": 2,
-                     "type": "save_weights"},
-    "save_weights_for_sampler": {"model_id": f"{SESSION}:train:0", "seq_id": 3,
-                                 "sampling_session_seq_id": 0, "kind": "inflight",
-                                 "type": "save_weights_for_sampler"},
+    "load_weights": {
+        "session_id": SESSION,
+        "model_seq_id": 1,
+        "path": "tinker://r/weights/a",
+        "optimizer": True,
+        "type": "load_weights",
+    },
+    "optim_step": {
+        "adam_params": {"learning_rate": 0.001},
+        "model_id": f"{SESSION}:train:0",
+        "seq_id": 1,
+        "type": "optim_step",
+    },
+    "save_weights": {
+        "model_id": f"{SESSION}:train:0",
+        "path": "a",
+        "seq_id": 2,
+        "type": "save_weights",
+    },
+    "save_weights_for_sampler": {
+        "model_id": f"{SESSION}:train:0",
+        "seq_id": 3,
+        "sampling_session_seq_id": 0,
+        "kind": "inflight",
+        "type": "save_weights_for_sampler",
+    },
     "weights_info": {"tinker_path": "tinker://run-x/weights/a"},
-    "create_sampling_session": {"session_id": SESSION, "sampling_session_seq_id": 0,
-                                "base_model": "m", "type": "create_sampling_session"},
-    "asample": {"num_samples": 1, "prompt": PROMPT, "sampling_params": {"max_tokens": 2},
-                "sampling_session_id": f"{SESSION}:sample:0", "seq_id": 0, "type": "sample"},
+    "create_sampling_session": {
+        "session_id": SESSION,
+        "sampling_session_seq_id": 0,
+        "base_model": "m",
+        "type": "create_sampling_session",
+    },
+    "asample": {
+        "num_samples": 1,
+        "prompt": PROMPT,
+        "sampling_params": {"max_tokens": 2},
+        "sampling_session_id": f"{SESSION}:sample:0",
+        "seq_id": 0,
+        "type": "sample",
+    },
     "retrieve_future": {"request_id": "req-unknown", "allow_metadata_only": True},
     "cancel_future": {"request_id": "req-unknown"},
 }
 ROUTES = sorted(TEMPLATES)
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -69,7 +114,8 @@ def broken_template(draw):
         del body[key]
     else:
         body[draw(st.text(min_size=1, max_size=10).filter(lambda k: k not in body))] = draw(
-            json_values)
+            json_values
+        )
     return route, json.dumps(body).encode()
 
 
@@ -83,8 +129,11 @@ def arbitrary_body(draw):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    backend = connect(BackendConfig(backend="local", run_dir=tmp_path_factory.mktemp("fuzz"),
-                                    local={"torch_threads": 1}))
+    backend = connect(
+        BackendConfig(
+            backend="local", run_dir=tmp_path_factory.mktemp("fuzz"), local={"torch_threads": 1}
+        )
+    )
     with ServerThread(ServeConfig(port=0, long_poll_s=1.0), backend) as thread:
         yield thread
     backend.close()
@@ -103,22 +152,25 @@ def _check(http, route, body):
         assert r.json()["detail"], (route, body)
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(case=broken_template())
 def test_broken_bodies_get_4xx(http, case):
     _check(http, *case)
 
 
-@settings(max_examples=200, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(case=arbitrary_body())
 def test_arbitrary_bodies_get_4xx(http, case):
     _check(http, *case)
 
 
-@settings(max_examples=100, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(body=st.binary(max_size=256), encoded=st.booleans())
 def test_arbitrary_forward_backward_bodies_get_4xx(http, body, encoded):
     headers = {"content-type": "application/x-protobuf"}
@@ -128,15 +180,19 @@ def test_arbitrary_forward_backward_bodies_get_4xx(http, body, encoded):
     assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(path=st.text(max_size=30), limit=st.text(max_size=6))
 def test_listing_routes_get_4xx_for_bad_ids_and_params(http, path, limit):
     path = quote(path, safe="") or "%20"
     for url in ("/training_runs", "/checkpoints"):
         assert http.get(url, params={"limit": limit}).status_code < 500
-    for url in (f"/training_runs/{path}", f"/training_runs/{path}/checkpoints",
-                f"/samplers/{path}"):
+    for url in (
+        f"/training_runs/{path}",
+        f"/training_runs/{path}/checkpoints",
+        f"/samplers/{path}",
+    ):
         assert http.get(url).status_code < 500
     assert http.delete(f"/training_runs/{path}/checkpoints/weights/{path}").status_code < 500
 

@@ -37,16 +37,20 @@ def _request(data, loss_fn="ppo", config=None, seq_id=3):
 def _datum(tokens, weights=None, sparse=False):
     n = len(tokens)
     inputs = {
-        "target_tokens": types.TensorData(data=np.array(tokens[1:] + [0], np.int64),
-                                          dtype="int64", shape=[n]),
-        "advantages": types.TensorData(data=np.linspace(-1, 1, n, dtype=np.float32),
-                                       dtype="float32", shape=[n]),
-        "logprobs": types.TensorData(data=-np.arange(n, dtype=np.float32), dtype="float32",
-                                     shape=[n]),
+        "target_tokens": types.TensorData(
+            data=np.array(tokens[1:] + [0], np.int64), dtype="int64", shape=[n]
+        ),
+        "advantages": types.TensorData(
+            data=np.linspace(-1, 1, n, dtype=np.float32), dtype="float32", shape=[n]
+        ),
+        "logprobs": types.TensorData(
+            data=-np.arange(n, dtype=np.float32), dtype="float32", shape=[n]
+        ),
     }
     if weights is not None:
-        inputs["weights"] = types.TensorData(data=np.array(weights, np.float32), dtype="float32",
-                                             shape=[n])
+        inputs["weights"] = types.TensorData(
+            data=np.array(weights, np.float32), dtype="float32", shape=[n]
+        )
     if sparse:
         dense = np.zeros((3, 4), np.int64)
         dense[0, 1], dense[2, 3] = 7, 9
@@ -98,14 +102,26 @@ def _mutated(mutate):
         (lambda m: setattr(m, "model_id", ""), "model_id"),
         (lambda m: m.ClearField("data"), "data"),
         (lambda m: setattr(m.data[0].model_input[0].encoded_text, "tokens", b"abc"), "tokens"),
-        (lambda m: setattr(m.data[0].model_input[0].encoded_text, "tokens",
-                           np.array([-1], np.int32).tobytes()), "tokens"),
+        (
+            lambda m: setattr(
+                m.data[0].model_input[0].encoded_text, "tokens", np.array([-1], np.int32).tobytes()
+            ),
+            "tokens",
+        ),
         (lambda m: m.data[0].model_input[0].image.SetInParent(), "model_input[0]"),
         (lambda m: m.data[0].loss_fn_inputs["advantages"].shape.append(2), "advantages"),
-        (lambda m: setattr(m.data[0].loss_fn_inputs["advantages"], "dtype", pb.DTYPE_INT32),
-         "dtype"),
-        (lambda m: setattr(m.data[0].loss_fn_inputs["advantages"], "dense",
-                           np.array([1, math.nan, 2], np.float32).tobytes()), "finite"),
+        (
+            lambda m: setattr(m.data[0].loss_fn_inputs["advantages"], "dtype", pb.DTYPE_INT32),
+            "dtype",
+        ),
+        (
+            lambda m: setattr(
+                m.data[0].loss_fn_inputs["advantages"],
+                "dense",
+                np.array([1, math.nan, 2], np.float32).tobytes(),
+            ),
+            "finite",
+        ),
         (lambda m: m.loss_fn_config_v2["k"].SetInParent(), "loss_fn_config_v2"),
     ],
 )
@@ -141,7 +157,8 @@ def _output(lengths, extra_field=False):
             d["topk"] = types.TensorData.from_numpy(np.arange(n * 2, dtype=np.int64).reshape(n, 2))
         outputs.append(d)
     return types.ForwardBackwardOutput(
-        loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=outputs,
         metrics={"loss:sum": 1.5, "tokens:sum": float(sum(lengths))},
     )
 
@@ -162,8 +179,10 @@ def test_forward_backward_output_round_trip(lengths):
 def test_output_with_different_fields_per_datum_is_refused():
     out = types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord",
-        loss_fn_outputs=[{"a": types.TensorData(data=[1.0], dtype="float32")},
-                         {"b": types.TensorData(data=[1.0], dtype="float32")}],
+        loss_fn_outputs=[
+            {"a": types.TensorData(data=[1.0], dtype="float32")},
+            {"b": types.TensorData(data=[1.0], dtype="float32")},
+        ],
     )
     with pytest.raises(ValueError, match="same fields"):
         encode_forward_backward_output(out)
@@ -172,11 +191,15 @@ def test_output_with_different_fields_per_datum_is_refused():
 def test_sample_response_round_trip():
     resp = types.SampleResponse(
         sequences=[
-            types.SampledSequence(stop_reason="stop", sequence_id="x/v2/0",
-                                  tokens_np=np.array([4, 5, 6], np.int32),
-                                  logprobs_np=np.array([-0.5, -1.0, -2.0], np.float32)),
-            types.SampledSequence(stop_reason="length", sequence_id="x/v2/1",
-                                  tokens_np=np.array([], np.int32)),
+            types.SampledSequence(
+                stop_reason="stop",
+                sequence_id="x/v2/0",
+                tokens_np=np.array([4, 5, 6], np.int32),
+                logprobs_np=np.array([-0.5, -1.0, -2.0], np.float32),
+            ),
+            types.SampledSequence(
+                stop_reason="length", sequence_id="x/v2/1", tokens_np=np.array([], np.int32)
+            ),
         ],
         _prompt_logprobs_list=[None, -1.25, -3.5],
         _topk_prompt_logprobs_list=[None, [(3, -0.1), (9, -2.0)], [(1, -0.5)]],
@@ -194,8 +217,7 @@ def test_sample_response_round_trip():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40), min_size=1,
-             max_size=6),
+    st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40), min_size=1, max_size=6),
     st.sampled_from(["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]),
 )
 def test_request_round_trip_property(token_lists, loss_fn):

@@ -18,8 +18,13 @@ CLIENT_KEY = "tml-any-key-on-loopback"
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):
-    svc = connect(BackendConfig(backend="local", run_dir=tmp_path_factory.mktemp("serve_runs"),
-                                local={"torch_threads": 1}))
+    svc = connect(
+        BackendConfig(
+            backend="local",
+            run_dir=tmp_path_factory.mktemp("serve_runs"),
+            local={"torch_threads": 1},
+        )
+    )
     yield svc
     svc.close()
 
@@ -100,8 +105,9 @@ def test_training_sampling_and_checkpoint_flow(server, service_client, training)
         sampler = training.save_weights_and_get_sampling_client(kind=kind).result(timeout=300)
         resp = sampler.sample(prompt, num_samples=2, sampling_params=params).result(timeout=300)
         assert len(resp.sequences) == 2
-        assert all(0 < len(s.tokens) <= 4 and len(s.logprobs) == len(s.tokens)
-                   for s in resp.sequences)
+        assert all(
+            0 < len(s.tokens) <= 4 and len(s.logprobs) == len(s.tokens) for s in resp.sequences
+        )
         slot = server.service.registry.samplers[sampler._sampling_session_id]
         version = slot.client.result().version
         assert [sampled_version(s) for s in resp.sequences] == [version, version]
@@ -116,11 +122,11 @@ def test_training_sampling_and_checkpoint_flow(server, service_client, training)
     from_path = service_client.create_sampling_client(model_path=named.path).result(timeout=300)
     assert from_path.sample(prompt, 1, params).result(timeout=300).sequences
 
-    resumed = service_client.create_training_client_from_state_with_optimizer(
-        saved.path).result(timeout=300)
+    resumed = service_client.create_training_client_from_state_with_optimizer(saved.path).result(
+        timeout=300
+    )
     assert resumed.get_info().lora_rank == 4
-    weights_only = service_client.create_training_client_from_state(saved.path).result(
-        timeout=300)
+    weights_only = service_client.create_training_client_from_state(saved.path).result(timeout=300)
     probe = _batch("cross_entropy", 2, seed=5)
     a = resumed.forward(probe, "cross_entropy").result(timeout=300)
     b = weights_only.forward(probe, "cross_entropy").result(timeout=300)
@@ -132,8 +138,10 @@ def test_training_sampling_and_checkpoint_flow(server, service_client, training)
     rest = tinker.RestClient(base_url=server.base_url, api_key=CLIENT_KEY)
     run_id = saved.path.split("/")[2]
     listed = rest.list_checkpoints(run_id).result(timeout=60)
-    assert {c.checkpoint_id for c in listed.checkpoints} >= {"weights/step-1",
-                                                             "sampler_weights/named"}
+    assert {c.checkpoint_id for c in listed.checkpoints} >= {
+        "weights/step-1",
+        "sampler_weights/named",
+    }
     assert rest.get_training_run(run_id).result(timeout=60).lora_rank == 4
     assert rest.get_weights_info_by_tinker_path(saved.path).result(timeout=60).lora_rank == 4
     rest.delete_checkpoint(run_id, "sampler_weights/named").result(timeout=60)
@@ -145,8 +153,10 @@ def test_training_sampling_and_checkpoint_flow(server, service_client, training)
 
 
 def test_bad_requests_fail_with_user_errors(training):
-    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
-                      loss_fn_inputs={"target_tokens": np.array([1, 2], np.int64)})
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2]),
+        loss_fn_inputs={"target_tokens": np.array([1, 2], np.int64)},
+    )
     with pytest.raises(tinker.RequestFailedError) as failed:
         training.forward_backward([bad], "cross_entropy").result(timeout=300)
     assert failed.value.category == types.RequestErrorCategory.User
@@ -167,7 +177,8 @@ def test_chunked_forward_backward_equals_the_in_process_call(server, service_cli
     via_sdk = service_client.create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=11)
     via_sdk = via_sdk.result(timeout=300)
     in_process = backend.create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=11).result(
-        timeout=300)
+        timeout=300
+    )
     data = _batch("importance_sampling", 1100, seed=1, length=4)
     probe = _batch("cross_entropy", 4, seed=2)
     adam = types.AdamParams(learning_rate=1e-2)
@@ -189,14 +200,18 @@ def test_chunked_forward_backward_equals_the_in_process_call(server, service_cli
     assert out_sdk.metrics["loss:sum"] == pytest.approx(fb_local.metrics["loss:sum"], rel=1e-4)
     _assert_same_outputs(out_sdk, fb_local)
     # The chunked gradients summed to the one-call gradient: the updated weights agree.
-    _assert_same_outputs(via_sdk.forward(probe, "cross_entropy").result(timeout=300),
-                         in_process.forward(probe, "cross_entropy").result(timeout=300))
+    _assert_same_outputs(
+        via_sdk.forward(probe, "cross_entropy").result(timeout=300),
+        in_process.forward(probe, "cross_entropy").result(timeout=300),
+    )
     assert not _same(start_sdk, via_sdk.forward(probe, "cross_entropy").result(timeout=300))
 
 
 def _same(a, b):
-    return all(np.allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-4)
-               for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True))
+    return all(
+        np.allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-4)
+        for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True)
+    )
 
 
 def _assert_same_outputs(a, b):
@@ -227,11 +242,14 @@ def test_retried_asample_returns_the_original_future(server, training):
     import httpx
 
     sampler = training.save_weights_and_get_sampling_client().result(timeout=300)
-    body = {"num_samples": 2, "prompt": {"chunks": [{"tokens": [301, 302],
-                                                     "type": "encoded_text"}]},
-            "sampling_params": {"max_tokens": 2, "seed": 5},
-            "sampling_session_id": sampler._sampling_session_id, "seq_id": 10**6,
-            "type": "sample"}
+    body = {
+        "num_samples": 2,
+        "prompt": {"chunks": [{"tokens": [301, 302], "type": "encoded_text"}]},
+        "sampling_params": {"max_tokens": 2, "seed": 5},
+        "sampling_session_id": sampler._sampling_session_id,
+        "seq_id": 10**6,
+        "type": "sample",
+    }
     url = f"{server.base_url}/api/v1"
     first = httpx.post(f"{url}/asample", json=body, timeout=60).json()
     again = httpx.post(f"{url}/asample", json=body, timeout=60).json()
@@ -239,8 +257,9 @@ def test_retried_asample_returns_the_original_future(server, training):
     other = httpx.post(f"{url}/asample", json=dict(body, num_samples=1), timeout=60)
     assert other.status_code == 409 and other.headers["x-should-retry"] == "false"
     for _ in range(600):  # 408 means "still running, poll again" (long_poll_s is 0.5 here)
-        result = httpx.post(f"{url}/retrieve_future", json={"request_id": first["request_id"]},
-                            timeout=60)
+        result = httpx.post(
+            f"{url}/retrieve_future", json={"request_id": first["request_id"]}, timeout=60
+        )
         if result.status_code != 408:
             break
     assert result.status_code == 200
@@ -258,6 +277,9 @@ def test_finished_session_rejects_heartbeats(server, backend):
     assert (session.finished, session.detail) == ("success", "done")
     import httpx
 
-    r = httpx.post(f"{server.base_url}/api/v1/session_heartbeat",
-                   json={"session_id": session_id, "type": "session_heartbeat"}, timeout=30)
+    r = httpx.post(
+        f"{server.base_url}/api/v1/session_heartbeat",
+        json={"session_id": session_id, "type": "session_heartbeat"},
+        timeout=30,
+    )
     assert r.status_code == 410

@@ -26,8 +26,13 @@ KEY = "tml-serve-secret-0123456789"
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):
-    svc = connect(BackendConfig(backend="local", run_dir=tmp_path_factory.mktemp("serve_sec"),
-                                local={"torch_threads": 1}))
+    svc = connect(
+        BackendConfig(
+            backend="local",
+            run_dir=tmp_path_factory.mktemp("serve_sec"),
+            local={"torch_threads": 1},
+        )
+    )
     yield svc
     svc.close()
 
@@ -66,29 +71,34 @@ def test_key_is_checked_on_every_request(backend, caplog):
         wrong = httpx.get(f"{url}/healthz", headers={"X-API-Key": "tml-wrong"}, timeout=30)
         assert wrong.status_code == 401 and "X-API-Key" in wrong.json()["detail"]
         assert httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}, timeout=30).json() == {
-            "status": "ok"}
-        bearer = httpx.get(f"{url}/healthz", headers={"Authorization": f"Bearer {KEY}"},
-                           timeout=30)
+            "status": "ok"
+        }
+        bearer = httpx.get(f"{url}/healthz", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
         assert bearer.status_code == 200
 
         with pytest.raises(tinker.AuthenticationError):
-            _ = tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.port}",
-                                     api_key="tml-wrong-key-0000000000").holder
+            _ = tinker.ServiceClient(
+                base_url=f"http://127.0.0.1:{server.port}", api_key="tml-wrong-key-0000000000"
+            ).holder
         client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.port}", api_key=KEY)
         assert client.holder.get_session_id() in server.service.registry.sessions
         client.close("success").result(timeout=60)
 
-        big = httpx.post(f"{url}/create_session", content=b"{" + b" " * 5000 + b"}",
-                         headers={"X-API-Key": KEY, "content-type": "application/json"},
-                         timeout=30)
+        big = httpx.post(
+            f"{url}/create_session",
+            content=b"{" + b" " * 5000 + b"}",
+            headers={"X-API-Key": KEY, "content-type": "application/json"},
+            timeout=30,
+        )
         assert big.status_code == 413
 
         def chunks():
             yield b"{" + b" " * 3000
             yield b" " * 3000 + b"}"
 
-        streamed = httpx.post(f"{url}/create_session", content=chunks(),
-                              headers={"X-API-Key": KEY}, timeout=30)
+        streamed = httpx.post(
+            f"{url}/create_session", content=chunks(), headers={"X-API-Key": KEY}, timeout=30
+        )
         assert streamed.status_code == 413
         assert httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}, timeout=30).is_success
         assert server.service.internal_errors == 0
@@ -102,28 +112,35 @@ def test_zstd_bodies_and_decompression_limit(backend):
         headers = {"content-type": "application/x-protobuf", "content-encoding": "zstd"}
         datum = types.Datum(
             model_input=types.ModelInput.from_ints([1, 2, 3]),
-            loss_fn_inputs={"target_tokens": np.array([2, 3, 4], np.int64),
-                            "weights": np.ones(3, np.float32)},
+            loss_fn_inputs={
+                "target_tokens": np.array([2, 3, 4], np.int64),
+                "weights": np.ones(3, np.float32),
+            },
         )
         request = types.ForwardBackwardRequest(
-            forward_backward_input=types.ForwardBackwardInput(data=[datum],
-                                                              loss_fn="cross_entropy"),
-            model_id="sess-none:train:0", seq_id=1,
+            forward_backward_input=types.ForwardBackwardInput(
+                data=[datum], loss_fn="cross_entropy"
+            ),
+            model_id="sess-none:train:0",
+            seq_id=1,
         )
         body = zstandard.ZstdCompressor().compress(
-            forward_backward_request_to_proto(request).SerializeToString())
+            forward_backward_request_to_proto(request).SerializeToString()
+        )
         unknown = httpx.post(url, content=body, headers=headers, timeout=30)
         assert unknown.status_code == 404 and "model_id" in unknown.json()["detail"]
         raw = zstandard.ZstdDecompressor().decompress(body)
-        uncompressed = httpx.post(url, content=raw, timeout=30,
-                                  headers={"content-type": "application/x-protobuf"})
+        uncompressed = httpx.post(
+            url, content=raw, timeout=30, headers={"content-type": "application/x-protobuf"}
+        )
         assert uncompressed.status_code == 404
         bomb = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))
         assert httpx.post(url, content=bomb, headers=headers, timeout=30).status_code == 413
         junk = httpx.post(url, content=b"not zstd", headers=headers, timeout=30)
         assert junk.status_code == 400 and "zstd" in junk.json()["detail"]
-        plain = httpx.post(url, content=b"{}", headers={"content-type": "application/json"},
-                           timeout=30)
+        plain = httpx.post(
+            url, content=b"{}", headers={"content-type": "application/json"}, timeout=30
+        )
         assert plain.status_code == 415
 
 
@@ -139,9 +156,19 @@ def test_oneloop_serve_command_serves_and_stops(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "oneloop.cli", "serve", "--port", str(port),
-         "--run-dir", str(tmp_path / "runs")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "oneloop.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--run-dir",
+            str(tmp_path / "runs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 300

@@ -37,16 +37,24 @@ def test_missing_and_mistyped_fields_are_named():
 
 
 def test_adam_params_arrive_under_their_wire_name():
-    req = parse_json(types.OptimStepRequest, {"adam_params": {"learning_rate": 0.5},
-                                              "model_id": "m", "seq_id": 1})
+    req = parse_json(
+        types.OptimStepRequest,
+        {"adam_params": {"learning_rate": 0.5}, "model_id": "m", "seq_id": 1},
+    )
     assert isinstance(req.optim_params, types.AdamParams)
     assert req.optim_params.learning_rate == 0.5
 
 
 def _sample_body(**params):
-    return json.dumps({"prompt": {"chunks": [{"tokens": [1], "type": "encoded_text"}]},
-                       "sampling_params": params, "sampling_session_id": "s:sample:0",
-                       "seq_id": 0, "type": "sample"}).encode()
+    return json.dumps(
+        {
+            "prompt": {"chunks": [{"tokens": [1], "type": "encoded_text"}]},
+            "sampling_params": params,
+            "sampling_session_id": "s:sample:0",
+            "seq_id": 0,
+            "type": "sample",
+        }
+    ).encode()
 
 
 def test_sampling_params_are_strict():
@@ -76,8 +84,11 @@ def test_ids_and_checkpoint_names():
 
 
 def test_protocol_bodies():
-    assert try_again_body("req-1") == {"type": "try_again", "request_id": "req-1",
-                                       "queue_state": "active"}
+    assert try_again_body("req-1") == {
+        "type": "try_again",
+        "request_id": "req-1",
+        "queue_state": "active",
+    }
     flags = client_config(compress_fwdbwd=True, use_pyqwest=False)
     assert flags.pjwt_auth_enabled is False and flags.proto_compress_fwdbwd is True
     assert flags.sample_use_retrieve_futures is False and flags.fwdbwd_max_chunk_len == 1024

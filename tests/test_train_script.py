@@ -21,6 +21,7 @@ SMALL = [
     "tasks.demo.n_train=4",
     "tasks.demo.n_eval=2",
     "sft.steps=2",
+    "model.base_model=oneloop/tiny-qwen3",
     "sft.batch_size=2",
     "agent.max_turns=2",
     "agent.max_tokens_per_turn=16",
