@@ -32,3 +32,51 @@ def local_service(tmp_path_factory, tiny_model_path):
     )
     yield service
     service.close()
+
+
+class TrainScript:
+    """Runs `scripts/train.py --config demo-cpu` as a subprocess (the contract tests' way in)."""
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+    def command(self, run_dir, backend_dir, *overrides: str) -> list[str]:
+        import sys
+
+        return [
+            sys.executable,
+            str(self.root / "scripts" / "train.py"),
+            "--config",
+            "demo-cpu",
+            "--run-dir",
+            str(run_dir),
+            f"backend.run_dir={backend_dir}",
+            *overrides,
+        ]
+
+    def run(self, run_dir, backend_dir, *overrides: str, timeout: float = 1200) -> None:
+        import subprocess
+
+        done = subprocess.run(
+            self.command(run_dir, backend_dir, *overrides),
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+
+    @staticmethod
+    def rows(run_dir) -> list[dict]:
+        """metrics.jsonl lines of the run."""
+        import json
+
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+
+    def steps(self, run_dir) -> dict[int, dict]:
+        """The RL step lines, by step."""
+        return {r["step"]: r for r in self.rows(run_dir) if "train/loss" in r}
+
+
+@pytest.fixture
+def train_script() -> TrainScript:
+    return TrainScript()

@@ -49,25 +49,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def train(run_dir: Path, backend_dir: Path, *extra: str) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        "demo-cpu",
-        "--run-dir",
-        str(run_dir),
-        f"backend.run_dir={backend_dir}",
-        *DETERMINISTIC,
-        *extra,
+def step_metrics(train_script, run_dir: Path) -> list[dict]:
+    return [
+        {k: r.get(k) for k in ("step", *COMPARED)} for r in train_script.steps(run_dir).values()
     ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-
-
-def step_metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r.get(k) for k in ("step", *COMPARED)} for r in rows if "train/loss" in r]
 
 
 def trained_tokens(run_dir: Path) -> list:
@@ -76,8 +61,8 @@ def trained_tokens(run_dir: Path) -> list:
 
 
 @pytest.mark.timeout(1500)
-def test_local_and_tinker_backends_train_identically(tmp_path):
-    train(tmp_path / "local", tmp_path / "local-backend")
+def test_local_and_tinker_backends_train_identically(tmp_path, train_script):
+    train_script.run(tmp_path / "local", tmp_path / "local-backend", *DETERMINISTIC)
     port = free_port()
     server = subprocess.Popen(
         [
@@ -106,9 +91,10 @@ def test_local_and_tinker_backends_train_identically(tmp_path):
                 assert server.poll() is None, server.stderr.read()[-3000:]
                 assert time.monotonic() < deadline, "oneloop serve did not come up"
                 time.sleep(0.5)
-        train(
+        train_script.run(
             tmp_path / "tinker",
             tmp_path / "unused",
+            *DETERMINISTIC,
             "--backend",
             "tinker",
             "--base-url",
@@ -119,7 +105,8 @@ def test_local_and_tinker_backends_train_identically(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
-    local, remote = step_metrics(tmp_path / "local"), step_metrics(tmp_path / "tinker")
+    local = step_metrics(train_script, tmp_path / "local")
+    remote = step_metrics(train_script, tmp_path / "tinker")
     assert [r["step"] for r in local] == [1, 2]
     assert local == remote
     assert trained_tokens(tmp_path / "local") == trained_tokens(tmp_path / "tinker")

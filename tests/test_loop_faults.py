@@ -4,8 +4,6 @@ counted in metrics.jsonl. (A crashed sampler actor is covered in test_local_back
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(1500)
-def test_run_survives_broken_tasks_and_counts_them(tmp_path):
+def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     tasks = tmp_path / "tasks"
     good = generate_tasks(tmp_path / "good", 4, 1, 0, difficulties=(Difficulty.EASY,))
     broken_env = generate_tasks(tmp_path / "env", 1, 1, 1, fault=Fault.ENV_START_FAIL)
@@ -28,14 +26,9 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path):
     for task in good.eval:
         shutil.copytree(task.path, tasks / "eval" / task.path.name)
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        "demo-cpu",
-        "--run-dir",
-        str(run_dir),
-        f"backend.run_dir={tmp_path / 'backend'}",
+    train_script.run(
+        run_dir,
+        tmp_path / "backend",
         f"tasks.dir={tasks}",
         "sft=null",
         "model.base_model=oneloop/tiny-qwen3",
@@ -49,10 +42,8 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path):
         "agent.max_turns=1",
         "agent.max_tokens_per_turn=8",
         "logging.console=false",
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    )
+    lines = train_script.rows(run_dir)
     totals: dict[str, float] = {}
     for line in lines:
         for key, value in line.items():

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,40 +29,14 @@ DETERMINISTIC = [
 ]
 
 
-def command(run_dir: Path, backend_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        "demo-cpu",
-        "--run-dir",
-        str(run_dir),
-        f"backend.run_dir={backend_dir}",
-        *DETERMINISTIC,
-        *extra,
-    ]
-
-
-def steps(run_dir: Path) -> dict[int, dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    return {x["step"]: x for x in lines if "train/loss" in x}
-
-
 @pytest.mark.timeout(1500)
-def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path, train_script):
     reference = tmp_path / "reference"
-    done = subprocess.run(
-        command(reference, tmp_path / "ref-backend"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    train_script.run(reference, tmp_path / "ref-backend", *DETERMINISTIC)
 
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen(
-        command(crashed, tmp_path / "crash-backend"),
+        train_script.command(crashed, tmp_path / "crash-backend", *DETERMINISTIC),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -82,14 +55,14 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     assert killed_at < 3
 
     resumed = subprocess.run(
-        command(crashed, tmp_path / "crash-backend", "--resume"),
+        train_script.command(crashed, tmp_path / "crash-backend", *DETERMINISTIC, "--resume"),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ref, res = steps(reference), steps(crashed)
+    ref, res = train_script.steps(reference), train_script.steps(crashed)
     assert sorted(res) == [1, 2, 3]
     for step in range(killed_at + 1, 4):
         assert res[step]["train/loss"] == ref[step]["train/loss"], step

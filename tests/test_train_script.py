@@ -2,8 +2,6 @@
 rejects bad configs by dotted path before anything starts."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -54,22 +52,10 @@ def test_unsupported_knob_fails_before_the_run(tmp_path):
 
 
 @pytest.mark.timeout(1500)
-def test_train_script_runs_two_steps(tmp_path):
+def test_train_script_runs_two_steps(tmp_path, train_script):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        "demo-cpu",
-        "--run-dir",
-        str(run_dir),
-        f"backend.run_dir={tmp_path / 'backend'}",
-        *SMALL,
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if "train/loss" in x]
+    train_script.run(run_dir, tmp_path / "backend", *SMALL)
+    steps = list(train_script.steps(run_dir).values())
     assert [x["step"] for x in steps] == [1, 2]
     assert all(x["staleness/violations"] == 0 for x in steps)
     assert all("train/logprob_gap_mean" in x for x in steps)
