@@ -222,12 +222,10 @@ class LocalSamplingClient:
             return self._actor.ready.remote()
 
         def recoverable(error: BaseException) -> bool:
-            return isinstance(
-                error,
-                MissingWeightsError
-                | ray.exceptions.RayActorError
-                | ray.exceptions.ActorUnavailableError,
-            )
+            if isinstance(error, MissingWeightsError | ray.exceptions.ActorUnavailableError):
+                return True
+            # A crash (Ray restarts the actor) is worth retrying; `close()` (ray.kill) is final.
+            return isinstance(error, ray.exceptions.RayActorError) and "ray.kill" not in str(error)
 
         return chain_with_recovery(submit, convert, recover, recoverable, attempts=RESTART_ATTEMPTS)
 
