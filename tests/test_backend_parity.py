@@ -31,6 +31,7 @@ DETERMINISTIC = [
     "eval=null",
     "model.lora_rank=32",
     "model.base_model=oneloop/tiny-qwen3",
+    "backend.local.torch_threads=1",  # the server gets the same (CPU float sums depend on it)
 ]
 COMPARED = (
     "train/loss",
@@ -49,6 +50,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def sft_metrics(train_script, run_dir: Path) -> list[dict]:
+    return [r for r in train_script.rows(run_dir) if "sft/loss_last" in r]
+
+
 def step_metrics(train_script, run_dir: Path) -> list[dict]:
     return [
         {k: r.get(k) for k in ("step", *COMPARED)} for r in train_script.steps(run_dir).values()
@@ -64,6 +69,8 @@ def trained_tokens(run_dir: Path) -> list:
 def test_local_and_tinker_backends_train_identically(tmp_path, train_script):
     train_script.run(tmp_path / "local", tmp_path / "local-backend", *DETERMINISTIC)
     port = free_port()
+    serve_config = tmp_path / "serve-backend.yaml"
+    serve_config.write_text("local: {torch_threads: 1}\n")
     server = subprocess.Popen(
         [
             sys.executable,
@@ -74,6 +81,8 @@ def test_local_and_tinker_backends_train_identically(tmp_path, train_script):
             str(port),
             "--run-dir",
             str(tmp_path / "serve-backend"),
+            "--backend-config",
+            str(serve_config),
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -109,4 +118,7 @@ def test_local_and_tinker_backends_train_identically(tmp_path, train_script):
     remote = step_metrics(train_script, tmp_path / "tinker")
     assert [r["step"] for r in local] == [1, 2]
     assert local == remote
+    assert sft_metrics(train_script, tmp_path / "local") == sft_metrics(
+        train_script, tmp_path / "tinker"
+    )
     assert trained_tokens(tmp_path / "local") == trained_tokens(tmp_path / "tinker")
