@@ -100,7 +100,6 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.5, help="Pareto shape (heavier < 2)")
     parser.add_argument("--scale", type=float, default=0.5, help="seconds")
     parser.add_argument("--prompt-tokens", type=int, default=8, help="tokens per rollout prompt")
-    parser.add_argument("--only", choices=["both", "async"], default="both")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         sync = asyncio.run(run_mode(0, args.steps, args, Path(root)))
