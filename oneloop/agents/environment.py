@@ -207,6 +207,14 @@ class NoContainerEnvironment(BaseEnvironment):
             elif entry.is_dir():
                 target.mkdir()
                 mounts.append(f"mount --rbind {shlex.quote(str(entry))} {shlex.quote(str(target))}")
+        # The interpreter, the venv and the oneloop checkout must stay visible even when they
+        # live under a directory made private here (e.g. a clone under /tmp): bind them back.
+        for host_dir in _runtime_dirs():
+            pure = PurePosixPath(host_dir)
+            if len(pure.parts) > 1 and pure.parts[1] in private_tops:
+                target = root / str(pure).lstrip("/")
+                target.mkdir(parents=True, exist_ok=True)
+                mounts.append(f"mount --rbind {shlex.quote(str(host_dir))} {shlex.quote(str(target))}")
         path_map: dict[PurePosixPath, Path] = {
             PurePosixPath(p): root / p.lstrip("/") for p in private
         }
@@ -490,3 +498,24 @@ def _remove_root(control: Path) -> None:
                 f"refusing to delete {root}: {mounted[0]} is a mount point in this namespace"
             )
     shutil.rmtree(control)
+
+
+def _runtime_dirs() -> list[Path]:
+    """Host directories a trial's processes need: the oneloop checkout, the venv, the base
+    interpreter (outermost first, duplicates and nested ones removed)."""
+    import sys
+
+    import oneloop
+
+    candidates = {
+        Path(oneloop.__file__).resolve().parents[1],
+        Path(sys.prefix).resolve(),
+        Path(sys.base_prefix).resolve(),
+    }
+    ordered = sorted(candidates, key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for path in ordered:
+        if not any(path.is_relative_to(k) for k in kept):
+            kept.append(path)
+    return kept
+
