@@ -211,3 +211,6 @@ def serve_main(argv: list[str] | None = None) -> int:
     check_bind(config.host, config.api_key)
     run_server(config)
     return 0
+
+
+main = serve_main

@@ -1,0 +1,1 @@
+"""Risk-removal commands run before spending GPU hours: `oneloop eval`, `oneloop inspect`, `oneloop size`."""
