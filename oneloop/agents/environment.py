@@ -115,6 +115,14 @@ class NoContainerEnvironment(BaseEnvironment):
     def type() -> str:
         return "oneloop-no-container"
 
+    @classmethod
+    @override
+    def preflight(cls) -> None:
+        """Harbor's contract: SystemExit naming what is missing on this host."""
+        problem = _host_problem()
+        if problem is not None:
+            raise SystemExit(problem)
+
     @property
     @override
     def capabilities(self) -> EnvironmentCapabilities:
@@ -166,13 +174,9 @@ class NoContainerEnvironment(BaseEnvironment):
                 f"injected start failure ({INJECT_START_FAILURE_ENV}=1 in the task's "
                 "[environment.env])"
             )
-        for tool in ("unshare", "mount", "chroot"):
-            if shutil.which(tool) is None:
-                raise EnvironmentStartError(f"'{tool}' not found on PATH; install util-linux")
-        if os.geteuid() != 0:
-            raise EnvironmentStartError(
-                "the no-container environment needs root (mount namespaces and chroot)"
-            )
+        problem = _host_problem()
+        if problem is not None:
+            raise EnvironmentStartError(problem)
         if self.task_env_config.docker_image:
             self.logger.warning(
                 "task.environment.docker_image=%r is ignored: the no-container environment "
@@ -421,6 +425,16 @@ class NoContainerEnvironment(BaseEnvironment):
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         source = self.host_path(source_dir)
         await asyncio.to_thread(_copy_tree, source, Path(target_dir))
+
+
+def _host_problem() -> str | None:
+    """Why this host cannot run the no-container environment, or None."""
+    for tool in ("unshare", "mount", "chroot"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' not found on PATH; install util-linux"
+    if os.geteuid() != 0:
+        return "the no-container environment needs root (mount namespaces and chroot)"
+    return None
 
 
 def _safe_name(name: str) -> str:

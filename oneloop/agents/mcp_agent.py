@@ -186,6 +186,11 @@ class McpToolbox:
         self._routes: dict[str, Client] = {}
         self.specs: list[dict[str, Any]] = []
         self.stats: dict[str, ToolStats] = {}
+        # One record per call, in call order (for diagnostics): tool, server, arguments, status
+        # (ok | is_error | timeout | exception | unknown_tool), the result text the model saw
+        # (before neutralising) and seconds.
+        self.calls: list[dict[str, Any]] = []
+        self._server_of: dict[str, str] = {}
         self.connect_sec = self.tool_sec = 0.0  # wall time spent connecting and in tool calls
 
     async def __aenter__(self) -> McpToolbox:
@@ -228,6 +233,7 @@ class McpToolbox:
                     f"MCP server {server.name!r}: tool {tool.name!r} is offered by two servers"
                 )
             self._routes[tool.name] = client
+            self._server_of[tool.name] = server.name
             self.stats[tool.name] = ToolStats()
             function = {"name": tool.name, "description": tool.description or "",
                         "parameters": tool.input_schema}  # fmt: skip
@@ -263,18 +269,27 @@ class McpToolbox:
     async def call(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         """Call tool `name`; returns `(text for the model, success)` and counts the call."""
         started = time.monotonic()
+        text, status = "", "exception"
         try:
-            return await self._call(name, arguments)
+            text, status = await self._call(name, arguments)
+            return text, status == "ok"
         finally:
-            self.tool_sec += time.monotonic() - started
+            seconds = time.monotonic() - started
+            self.tool_sec += seconds
+            shown = truncate_middle(text, self._config.tool_result_max_chars)
+            self.calls.append({
+                "tool": name, "server": self._server_of.get(name), "arguments": arguments,
+                "status": status, "result": shown, "sec": seconds,
+            })  # fmt: skip
 
-    async def _call(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+    async def _call(self, name: str, arguments: dict[str, Any]) -> tuple[str, str]:
         stats = self.stats.setdefault(name, ToolStats())
         stats.calls += 1
         client = self._routes.get(name)
         if client is None:
             stats.failures += 1
-            return f"Error: unknown tool {name!r}; available tools: {sorted(self._routes)}", False
+            known = sorted(self._routes)
+            return f"Error: unknown tool {name!r}; available tools: {known}", "unknown_tool"
         timeout = self._config.tool_timeout_s
         try:
             async with asyncio.timeout(timeout):
@@ -284,16 +299,16 @@ class McpToolbox:
         except TimeoutError:
             stats.failures += 1
             stats.timeouts += 1
-            return f"Error: tool {name!r} did not finish within {timeout} s", False
+            return f"Error: tool {name!r} did not finish within {timeout} s", "timeout"
         except Exception as exc:  # an MCP error, a broken pipe: a failed call, told to the model
             stats.failures += 1
-            return f"Error: tool {name!r} failed: {type(exc).__name__}: {exc}", False
+            return f"Error: tool {name!r} failed: {type(exc).__name__}: {exc}", "exception"
         text = _result_text(result)
         if result.is_error:
             stats.failures += 1
-            return (text if text.startswith("Error") else f"Error: {text}"), False
+            return (text if text.startswith("Error") else f"Error: {text}"), "is_error"
         stats.successes += 1
-        return text, True
+        return text, "ok"
 
 
 def _result_text(result: Any) -> str:
@@ -497,6 +512,7 @@ def _fill_context(
     context.metadata = (context.metadata or {}) | {
         "turns": len(turns),
         "tool_stats": {name: asdict(stats) for name, stats in toolbox.stats.items()},
+        "tool_calls": list(toolbox.calls),
         "timings": timings | {"mcp_connect_sec": toolbox.connect_sec},
         "tito": trajectory.to_json(),
     }

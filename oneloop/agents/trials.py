@@ -39,6 +39,7 @@ from typing import Any
 import ray
 
 from oneloop.agents.environment import NO_CONTAINER_IMPORT_PATH, STDIO_EXIT_PREFIX
+from oneloop.agents.providers import check_environment_type, preflight_environment
 from oneloop.errors import ConfigError
 
 MCP_AGENT_IMPORT_PATH = "oneloop.agents.mcp_agent:McpToolAgent"
@@ -94,6 +95,11 @@ class TrajectoryResult:
     attempts: int
     trial_name: str
     agent_outcome: str | None = None
+    # The agent's metadata without the trajectory: turns, repairs, context_warnings, tool_stats,
+    # tool_calls (one record per MCP call), timings; None when the agent reported nothing.
+    agent_stats: Mapping[str, Any] | None = None
+    # The error of every earlier attempt of this trajectory (all infra errors: only they retry).
+    attempt_errors: tuple[str, ...] = ()
 
     @property
     def masked(self) -> bool:
@@ -124,7 +130,9 @@ class TrialRunnerConfig:
     agent_import_path: str | None = MCP_AGENT_IMPORT_PATH
     agent_name: str | None = None
     agent_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    environment_import_path: str = NO_CONTAINER_IMPORT_PATH
+    environment_import_path: str | None = NO_CONTAINER_IMPORT_PATH
+    # A Harbor environment type (docker, modal, daytona, ...); set it with import_path None.
+    environment_type: str | None = None
     environment_kwargs: Mapping[str, Any] = field(default_factory=dict)
     max_concurrent_trials: int = 16  # trials running at once, over all groups
     trials_per_second: float = 8.0  # trial starts per second, over all groups
@@ -139,6 +147,13 @@ class TrialRunnerConfig:
     def __post_init__(self) -> None:
         if (self.agent_name is None) == (self.agent_import_path is None):
             raise ConfigError("trials: set exactly one of agent_name and agent_import_path")
+        if (self.environment_type is None) == (self.environment_import_path is None):
+            raise ConfigError(
+                "trials: set exactly one of environment_type (a Harbor type such as docker, "
+                "modal, daytona) and environment_import_path (module:Class)"
+            )
+        if self.environment_type is not None:
+            check_environment_type(self.environment_type, "trials.environment_type")
         checks = (
             ("max_concurrent_trials", self.max_concurrent_trials >= 1),
             ("trials_per_second", self.trials_per_second > 0),
@@ -239,6 +254,7 @@ def _trial_config(spec: dict[str, Any], trial_name: str, sampler_key: str | None
             override_timeout_sec=spec["agent_timeout_sec"],
         ),
         environment=EnvironmentConfig(
+            type=spec["environment_type"],
             import_path=spec["environment_import_path"],
             kwargs=dict(spec["environment_kwargs"]),
             delete=spec["delete_environment"],
@@ -279,6 +295,7 @@ async def _run_one_trial(spec: dict[str, Any], sampling_client: Any) -> Trajecto
     metadata = (result.agent_result.metadata or {}) if result.agent_result else {}
     agent_timings = metadata.get(METADATA_TIMINGS) or {}
     trajectory = metadata.get(METADATA_TRAJECTORY)
+    stats = {k: v for k, v in metadata.items() if k != METADATA_TRAJECTORY} or None
     return TrajectoryResult(
         outcome=outcome,
         reward=reward,
@@ -301,6 +318,7 @@ async def _run_one_trial(spec: dict[str, Any], sampling_client: Any) -> Trajecto
             if metadata.get(METADATA_OUTCOME) is not None
             else None
         ),
+        agent_stats=stats,
     )
 
 
@@ -341,6 +359,11 @@ class TrialRunner:
     """
 
     def __init__(self, cfg: TrialRunnerConfig) -> None:
+        # Before any trial: a missing SDK, credential or daemon is one clear error, not an
+        # infra error per trial.
+        preflight_environment(
+            cfg.environment_type, cfg.environment_import_path, "trials.environment"
+        )
         self.cfg = cfg
         # The cap and the rate limiter belong to one event loop; `_limits` makes them anew when a
         # later `asyncio.run` drives the same runner (the counters carry over).
@@ -355,6 +378,7 @@ class TrialRunner:
             "agent_kwargs": dict(cfg.agent_kwargs),
             "agent_timeout_sec": cfg.agent_timeout_sec,
             "environment_import_path": cfg.environment_import_path,
+            "environment_type": cfg.environment_type,
             "environment_kwargs": dict(cfg.environment_kwargs),
             "trial_timeout_sec": cfg.trial_timeout_sec,
             "delete_environment": cfg.delete_environment,
@@ -409,13 +433,15 @@ class TrialRunner:
     async def _trajectory(
         self, task: str, sampling_client: Any, extra_kwargs: Mapping[str, Any]
     ) -> TrajectoryResult:
+        errors: list[str] = []
         for attempt in range(1, self.cfg.max_infra_retries + 2):
             result = await self._attempt(task, sampling_client, extra_kwargs)
             if result.outcome is not TrialOutcome.INFRA_ERROR:
                 break
             if attempt <= self.cfg.max_infra_retries:
                 self._counts["trials/retries"] += 1
-        result = replace(result, attempts=attempt)
+                errors.append(result.error or "")
+        result = replace(result, attempts=attempt, attempt_errors=tuple(errors))
         self._counts[f"trials/final_{result.outcome}"] += 1
         return result
 
