@@ -78,7 +78,20 @@ class RolloutConfig(_Strict):
     max_infra_retries: int = Field(default=2, ge=0)
     """Fresh trials after an infrastructure error, per trajectory (count)."""
     environment_import_path: str = "oneloop.agents.environment:NoContainerEnvironment"
-    """Harbor environment class (`module:Class`); production: Harbor's docker/modal/daytona."""
+    """Harbor environment class (`module:Class`); the default is for the demo and tests only."""
+    environment_type: str | None = None
+    """Harbor environment type (`docker`, `modal`, `daytona`, ...); replaces the import path."""
+    environment_kwargs: dict[str, Any] = {}
+    """Keyword arguments of the environment class (Harbor `environment.kwargs`)."""
+
+    @model_validator(mode="after")
+    def _one_environment(self) -> "RolloutConfig":
+        if self.environment_type is not None and "environment_import_path" in self.model_fields_set:
+            raise ValueError(
+                "set environment_type or environment_import_path, not both "
+                f"(got {self.environment_type!r} and {self.environment_import_path!r})"
+            )
+        return self
 
 
 class AlgoConfig(_Strict):

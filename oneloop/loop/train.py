@@ -20,6 +20,7 @@ import ray
 from tinker import types
 
 from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate_tasks
+from oneloop.agents.providers import preflight_environment
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
 from oneloop.backends import capabilities, connect
 from oneloop.loop.advantages import ScoredGroup, build_datums, logprob_gap
@@ -90,6 +91,12 @@ async def _run(run: Run) -> dict[str, float]:
 
 async def setup(cfg: TrainConfig, resume: bool) -> Run:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    rollout = cfg.rollout
+    preflight_environment(  # a missing SDK, credential or daemon fails here, before SFT
+        rollout.environment_type,
+        None if rollout.environment_type else rollout.environment_import_path,
+        "rollout.environment",
+    )
     service = connect(cfg.backend)
     if not ray.is_initialized():  # the tinker backend: Ray still runs the trials
         ray.init(include_dashboard=False, configure_logging=False)
@@ -136,6 +143,11 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     )
 
 
+def task_dirs(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]:
+    """(demo splits or None, train task dirs, held-out task dirs) of `cfg.tasks`."""
+    return _tasks(cfg)
+
+
 def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]:
     if cfg.tasks.dir is not None:
         root = cfg.tasks.dir
@@ -159,31 +171,39 @@ def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]
 
 def _runner(run: Run, temperature: float) -> TrialRunner:
     cfg = run.cfg
-    agent = cfg.agent
-    return runner_for(
-        TrialRunnerConfig(
-            trials_dir=cfg.run_dir / "trials",
-            agent_kwargs={
-                "tokenizer_path": run.tokenizer_path,
-                "sampler_key": "set-by-runner",
-                "max_turns": agent.max_turns,
-                "max_tokens_per_turn": agent.max_tokens_per_turn,
-                "context_window": agent.context_window,
-                "tool_timeout_s": agent.tool_timeout_s,
-                "tool_result_max_chars": agent.tool_result_max_chars,
-                "temperature": temperature,
-                "top_p": agent.top_p,
-                "system_prompt": agent.system_prompt,
-            },
-            environment_import_path=cfg.rollout.environment_import_path,
-            max_concurrent_trials=min(
-                cfg.rollout.max_concurrency,
-                (cfg.algo.max_staleness + 1) * cfg.algo.groups_per_step * cfg.algo.group_size,
-            ),
-            trials_per_second=cfg.rollout.trials_per_second,
-            trial_timeout_sec=cfg.rollout.trial_timeout_s,
-            max_infra_retries=cfg.rollout.max_infra_retries,
-        )
+    staleness_cap = (cfg.algo.max_staleness + 1) * cfg.algo.groups_per_step * cfg.algo.group_size
+    cap = min(cfg.rollout.max_concurrency, staleness_cap)
+    return runner_for(trial_runner_config(cfg, run.tokenizer_path, temperature, cap))
+
+
+def trial_runner_config(
+    cfg: TrainConfig, tokenizer_path: str, temperature: float, max_concurrent_trials: int
+) -> TrialRunnerConfig:
+    """The trial runner config of `cfg` (agent, environment, limits); shared with `oneloop eval`."""
+    agent, rollout = cfg.agent, cfg.rollout
+    return TrialRunnerConfig(
+        trials_dir=cfg.run_dir / "trials",
+        agent_kwargs={
+            "tokenizer_path": tokenizer_path,
+            "sampler_key": "set-by-runner",
+            "max_turns": agent.max_turns,
+            "max_tokens_per_turn": agent.max_tokens_per_turn,
+            "context_window": agent.context_window,
+            "tool_timeout_s": agent.tool_timeout_s,
+            "tool_result_max_chars": agent.tool_result_max_chars,
+            "temperature": temperature,
+            "top_p": agent.top_p,
+            "system_prompt": agent.system_prompt,
+        },
+        environment_import_path=(
+            None if rollout.environment_type is not None else rollout.environment_import_path
+        ),
+        environment_type=rollout.environment_type,
+        environment_kwargs=dict(rollout.environment_kwargs),
+        max_concurrent_trials=max_concurrent_trials,
+        trials_per_second=rollout.trials_per_second,
+        trial_timeout_sec=rollout.trial_timeout_s,
+        max_infra_retries=rollout.max_infra_retries,
     )
 
 
