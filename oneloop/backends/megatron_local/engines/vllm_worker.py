@@ -1,0 +1,123 @@
+"""vLLM worker extension: the engine-side half of our weight loads (runs inside vLLM's worker).
+
+vLLM mixes this class into its GPU worker when the engine is built with
+`worker_extension_cls="oneloop.backends.megatron_local.engines.vllm_worker.OneloopWorkerExtension"`;
+`AsyncLLM.collective_rpc("<method>", args=...)` then calls these methods on every worker. RPC
+arguments and results are plain msgpack types (lists, dicts, str, int, bytes): vLLM's utility
+channel decodes untyped, so tensors never travel as tensors here.
+
+Two load paths:
+- `load_hf_weights`: Hugging Face-named arrays (raw bytes) → the model's own `load_weights`, vLLM's
+  per-layer loader (fuses q/k/v and gate/up itself). The reference path.
+- `load_ipc_weights`: a `CudaIpcWeights` buffer; layout "vllm" copies each entry straight into its
+  parameter's storage (`param.data.copy_`), after checking that names, shapes and dtypes match and
+  every parameter is covered; layout "hf" hands views to `load_weights` (stock loader over IPC).
+
+Copies write into the existing storage, so CUDA graphs and compiled code keep pointing at them.
+Tensor parallel size 1 is assumed by the "vllm" layout (shapes are checked, so TP > 1 fails loudly).
+"""
+
+import warnings
+
+import torch
+
+from oneloop.backends.megatron_local.engines.weight_layout import (
+    CudaIpcWeights,
+    dtype_from_name,
+    dtype_name,
+    unpack_flat,
+)
+
+
+class OneloopWorkerExtension:
+    """Methods vLLM adds to its worker; `self` is the worker (has `get_model`, `device`)."""
+
+    def _oneloop_params(self) -> dict[str, torch.nn.Parameter]:
+        model = self.get_model()  # type: ignore[attr-defined]
+        return dict(model.named_parameters())  # shared (tied) parameters appear once
+
+    def _oneloop_device_index(self) -> int:
+        device = getattr(self, "device", None)
+        if isinstance(device, torch.device) and device.index is not None:
+            return device.index
+        return torch.cuda.current_device()
+
+    def param_layout(self) -> list[list]:
+        """`[name, dtype name, shape]` of every model parameter, in model order."""
+        return [[n, dtype_name(p.dtype), list(p.shape)] for n, p in self._oneloop_params().items()]
+
+    def weights_checksum(self) -> list[float]:
+        """[sum, sum of |x|] over all parameters in float64 (tests compare sender and engine)."""
+        total = absolute = 0.0
+        for p in self._oneloop_params().values():
+            d = p.detach().double()
+            total += float(d.sum())
+            absolute += float(d.abs().sum())
+        return [total, absolute]
+
+    def load_hf_weights(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], blobs: list[bytes]
+    ) -> int:
+        """Reference path: rebuild each tensor from bytes and call the model's `load_weights`."""
+        if not len(names) == len(dtypes) == len(shapes) == len(blobs):
+            raise ValueError("load_hf_weights: names, dtypes, shapes and blobs differ in length")
+        device = torch.device("cuda", self._oneloop_device_index())
+        tensors = []
+        with warnings.catch_warnings():  # frombuffer on read-only bytes warns; we only read
+            warnings.simplefilter("ignore", UserWarning)
+            for name, dtype, shape, blob in zip(names, dtypes, shapes, blobs, strict=True):
+                flat = torch.frombuffer(blob, dtype=torch.uint8)
+                tensor = flat.view(dtype_from_name(dtype)).view(tuple(shape))
+                tensors.append((name, tensor.to(device, non_blocking=False)))
+        loaded = self.get_model().load_weights(tensors)  # type: ignore[attr-defined]
+        torch.cuda.synchronize(device)
+        return len(loaded) if loaded is not None else len(tensors)
+
+    def load_ipc_weights(self, wire: dict) -> int:
+        """Fast path (layout "vllm") or stock loader over IPC (layout "hf"); returns bytes read."""
+        weights = CudaIpcWeights.from_wire(wire)
+        device_index = self._oneloop_device_index()
+        buffer = weights.open(device_index)
+        if buffer.numel() < weights.nbytes:
+            raise ValueError(f"IPC buffer holds {buffer.numel()} B, entries need {weights.nbytes}")
+        views = unpack_flat(buffer, weights.entries)
+        if weights.layout == "hf":
+            self.get_model().load_weights(views)  # type: ignore[attr-defined]
+        elif weights.layout == "vllm":
+            params = self._oneloop_params()
+            _check_cover(params, weights)
+            with torch.no_grad():
+                for name, view in views:
+                    params[name].data.copy_(view, non_blocking=True)
+        else:
+            raise ValueError(f"unknown CudaIpcWeights.layout {weights.layout!r}")
+        torch.cuda.synchronize(device_index)
+        del views, buffer  # release the IPC mapping before the sender may free it
+        return weights.nbytes
+
+
+def _check_cover(params: dict[str, torch.nn.Parameter], weights: CudaIpcWeights) -> None:
+    """Every entry names a parameter of the same shape and dtype, and every parameter is covered."""
+    problems = []
+    seen = set()
+    for e in weights.entries:
+        p = params.get(e.name)
+        if p is None:
+            problems.append(f"{e.name}: no such vLLM parameter")
+        elif tuple(p.shape) != tuple(e.shape) or dtype_name(p.dtype) != e.dtype:
+            problems.append(
+                f"{e.name}: sent {e.dtype}{list(e.shape)}, "
+                f"vLLM has {dtype_name(p.dtype)}{list(p.shape)}"
+            )
+        seen.add(e.name)
+    uncovered = sorted(set(params) - seen)
+    if uncovered:
+        problems.append(
+            f"vLLM parameters not sent: {uncovered[:8]}"
+            + (f" (+{len(uncovered) - 8} more)" if len(uncovered) > 8 else "")
+        )
+    if problems:
+        raise ValueError(
+            "CUDA IPC weights do not match the engine's parameters "
+            "(pack them with the layout from param_layout()): " + "; ".join(problems)
+        )
