@@ -352,3 +352,16 @@ def test_harbor_trial_without_a_response_scores_zero_without_calling_the_judge(
     )  # fmt: skip
     assert classify(result, trial_dir) == (TrialOutcome.OK, 0.0, None)
     assert judge_server.requests == []
+
+
+def test_a_misspelt_verifier_kwarg_is_an_infra_error_naming_it(tmp_path, monkeypatch) -> None:
+    """Harbor's BaseVerifier accepts and ignores unknown kwargs; ours must not."""
+    monkeypatch.setenv("TEST_JUDGE_KEYS", "k")
+    result, trial_dir, _ = run_trial(
+        tmp_path,
+        {"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_keys_env": "TEST_JUDGE_KEYS",
+         "rubric": ["x"], "max_atempts": 3},
+    )  # fmt: skip
+    outcome, _, error = classify(result, trial_dir)
+    assert outcome is TrialOutcome.INFRA_ERROR
+    assert "verifier.kwargs.max_atempts: unknown to LlmJudgeVerifier" in error

@@ -21,7 +21,9 @@ never retried. API keys rotate round robin per judge call, and a 429 moves to th
 When the judge cannot grade (rejected request, retries spent, unparsable answer) `verify()`
 raises a `JudgeInfraError`: no reward file is written, Harbor records the exception, and
 `oneloop.agents.trials.classify` counts every trial exception other than an agent timeout as an
-infra error (retried with a fresh trial, then the group masked), never reward 0.
+infra error (retried with a fresh trial, then the group masked), never reward 0. The task's
+`[verifier] timeout_sec` bounds the whole `verify()` (past it Harbor raises
+`VerifierTimeoutError`, an infra error too): keep it above `deadline_s + timeout_s`.
 
 API keys: `api_keys_env` names a variable holding comma-separated keys, looked up in the
 verifier's env (`verifier.env`, `${VAR}` templates resolved as Harbor does) and then the process
@@ -62,6 +64,11 @@ DEFAULT_API_KEYS_ENV = "JUDGE_API_KEYS"
 RETRYABLE_4XX = frozenset({408, 409, 429})
 MISSING_RESPONSE_RC = 3  # exit code of the read command when the response file is absent
 READ_TIMEOUT_SEC = 60
+# What Harbor's VerifierFactory passes to every verifier besides `verifier.kwargs`.
+HARBOR_VERIFIER_ARGS = frozenset(
+    {"task", "trial_paths", "environment", "override_env", "logger", "verifier_env",
+     "step_name", "include_logs", "exclude_logs", "skip_tests_upload"}
+)  # fmt: skip
 ERROR_BODY_CHARS = 500
 SYSTEM_PROMPT = (
     "You grade an AI agent's response against a rubric. For each numbered criterion decide "
@@ -398,6 +405,15 @@ class LlmJudgeVerifier(BaseVerifier):
     ) -> None:
         fields = set(JudgeConfig.__dataclass_fields__) - {"base_url", "model", "api_keys"}
         judge_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+        # BaseVerifier swallows unknown kwargs; a misspelt verifier kwarg must not pass silently.
+        unknown = sorted(set(kwargs) - HARBOR_VERIFIER_ARGS)
+        if unknown:
+            raise ConfigError(
+                f"verifier.kwargs.{unknown[0]}: unknown to LlmJudgeVerifier; expected base_url, "
+                f"model, rubric, rubric_path, api_keys_env, api_keys, response_path, "
+                f"max_response_chars or one of {sorted(fields)}"
+            )
+        kwargs.pop("skip_tests_upload", None)  # the judge uploads no tests
         super().__init__(**kwargs)
         self.response_path = response_path
         if max_response_chars < 1:
