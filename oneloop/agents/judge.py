@@ -240,7 +240,7 @@ def parse_verdicts(content: str, rubric: Sequence[Criterion]) -> tuple[Criterion
     by_id: dict[int, dict[str, Any]] = {}
     for item in items:
         ident = item.get("id") if isinstance(item, dict) else None
-        if not isinstance(ident, int) or not 1 <= ident <= len(rubric) or ident in by_id:
+        if type(ident) is not int or not 1 <= ident <= len(rubric) or ident in by_id:
             raise JudgeResponseError(f"judge verdict has a bad or repeated id: {item!r:.200}")
         if not isinstance(item.get("met"), bool):
             raise JudgeResponseError(f"judge verdict {ident} has no boolean 'met': {item!r:.200}")
