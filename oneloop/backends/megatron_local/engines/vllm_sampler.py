@@ -255,8 +255,9 @@ class VllmSamplerEngine(SamplerEngine):
             return version
         if key in self.evicted:
             raise RequestError(
-                f"sampler weights {key!r} were replaced: the vllm sampler engine holds one weight "
-                "set; snapshot clients of a fully fine-tuned model need sampler_engine=torch or LoRA"
+                f"sampler weights {key!r} were replaced: the vllm sampler engine holds one "
+                "weight set; snapshot clients of a fully fine-tuned model need "
+                "sampler_engine=torch or LoRA"
             )
         if live_key is None:
             raise RequestError(

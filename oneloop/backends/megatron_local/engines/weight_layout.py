@@ -89,7 +89,8 @@ def hf_to_vllm_layout(
             )
             continue
         out.append((name, tensor.to(dtype_from_name(dtype_str)).contiguous()))
-    unused = sorted(set(hf) - used - {LM_HEAD})  # a tied checkpoint may still list lm_head
+    # A tied checkpoint may still list lm_head; rotary inv_freq is a buffer vLLM recomputes.
+    unused = sorted(n for n in set(hf) - used - {LM_HEAD} if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         problems.append(
             f"Hugging Face tensors with no vLLM parameter: {unused[:8]}"
