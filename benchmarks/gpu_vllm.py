@@ -1,0 +1,248 @@
+"""GPU benchmark of the `vllm` sampler engine (device machine only), side by side in one run.
+
+(i)  throughput: our engine's `sample` (sync contract from a thread pool, and `submit_sample`
+     futures) vs raw vLLM `AsyncLLM` with the same engine args, prompts and sampling params;
+     prints the ratio (goal >= 0.97).
+(ii) in-flight weight sync with N requests decoding: pause window and effective GB/s of
+     - `ipc`    : one CUDA buffer in vLLM's layout over CUDA IPC, copied into the parameters,
+     - `ipc-hf` : the same transport, loaded by the model's own `load_weights` (stock loader),
+     - `hf`     : Hugging Face tensors as bytes over vLLM's RPC, then `load_weights`.
+
+    python3 benchmarks/gpu_vllm.py [--model-dir DIR] [--eager] [--prompts 256] [--rounds 3]
+
+Prints `RESULT {...}` lines; writes them all to $OUT/gpu_vllm.json when OUT is set.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oneloop.backends.megatron_local.engines.base import SampleRequest
+from oneloop.backends.megatron_local.engines.vllm_sampler import VllmSamplerEngine
+from oneloop.backends.megatron_local.engines.weight_layout import (
+    make_ipc_weights,
+    pack_flat,
+    pack_for_engine,
+)
+
+RESULTS: list[dict] = []
+
+
+def result(**fields) -> None:
+    RESULTS.append(fields)
+    print("RESULT " + json.dumps(fields), flush=True)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", type=Path, help="HF model dir; default: build random Qwen3 0.6B")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--gpu-mem", type=float, default=0.4, help="gpu_memory_utilization")
+    ap.add_argument("--prompts", type=int, default=256, help="prompts in the throughput run")
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    ap.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt")
+    ap.add_argument("--reps", type=int, default=2, help="timed throughput repetitions per side")
+    ap.add_argument("--in-flight", type=int, default=32, help="requests decoding during a sync")
+    ap.add_argument("--rounds", type=int, default=3, help="syncs per load path")
+    ap.add_argument("--skip-raw", action="store_true", help="skip the raw AsyncLLM side")
+    return ap.parse_args()
+
+
+def build_model(directory: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    torch.cuda.empty_cache()
+    return directory
+
+
+def prompts(n: int, length: int, seed: int) -> list[np.ndarray]:
+    rng = random.Random(seed)
+    return [
+        np.array([rng.randrange(1000, 150000) for _ in range(length)], dtype=np.int64)
+        for _ in range(n)
+    ]
+
+
+def request(p: np.ndarray, max_tokens: int, seed: int) -> SampleRequest:
+    return SampleRequest(prompt=p, num_samples=1, max_tokens=max_tokens, seed=seed)
+
+
+def ours_throughput(engine: VllmSamplerEngine, args, ps: list[np.ndarray]) -> None:
+    key = "base"
+    engine.sample(key, request(ps[0], 16, 0))  # warm-up
+    with ThreadPoolExecutor(max_workers=len(ps)) as pool:
+        for rep in range(args.reps):
+            t0 = time.perf_counter()
+            outs = list(
+                pool.map(
+                    lambda ip: engine.sample(key, request(ip[1], args.max_tokens, ip[0])),
+                    enumerate(ps),
+                )
+            )
+            dt = time.perf_counter() - t0
+            tokens = sum(len(o.sequences[0].tokens) for o in outs)
+            result(
+                bench="throughput",
+                side="ours_sync_threads",
+                rep=rep,
+                tokens=tokens,
+                seconds=round(dt, 3),
+                tok_per_s=round(tokens / dt),
+            )
+    for rep in range(args.reps):
+        t0 = time.perf_counter()
+        futures = [
+            engine.submit_sample(key, request(p, args.max_tokens, i)) for i, p in enumerate(ps)
+        ]
+        outs = [f.result(timeout=600) for f in futures]
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.sequences[0].tokens) for o in outs)
+        result(bench="throughput", side="ours_futures", rep=rep, tokens=tokens,
+               seconds=round(dt, 3), tok_per_s=round(tokens / dt))  # fmt: skip
+
+
+def raw_throughput(engine_kwargs: dict, args, ps: list[np.ndarray]) -> None:
+    """Raw vLLM: same engine args, same prompts, same SamplingParams, on one asyncio loop."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def main() -> None:
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
+
+        async def one(p: np.ndarray, seed: int, max_tokens: int) -> int:
+            params = SamplingParams(
+                n=1, max_tokens=max_tokens, seed=seed, stop_token_ids=[], ignore_eos=True,
+                logprobs=0, detokenize=False, flat_logprobs=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )  # fmt: skip
+            final = None
+            engine_input = tokens_input([int(t) for t in p], cache_salt="base@v0")
+            async for out in llm.generate(engine_input, params, request_id=uuid.uuid4().hex):
+                final = out
+            assert final is not None and final.outputs[0].logprobs is not None
+            return len(final.outputs[0].token_ids)
+
+        try:
+            await asyncio.wait_for(one(ps[0], 0, 16), 600)
+            for rep in range(args.reps):
+                t0 = time.perf_counter()
+                counts = await asyncio.wait_for(
+                    asyncio.gather(*[one(p, i, args.max_tokens) for i, p in enumerate(ps)]), 600
+                )
+                dt = time.perf_counter() - t0
+                result(bench="throughput", side="raw_asyncllm", rep=rep, tokens=sum(counts),
+                       seconds=round(dt, 3), tok_per_s=round(sum(counts) / dt))  # fmt: skip
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def sync_bench(engine: VllmSamplerEngine, args, model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda")
+    hf = {k: v.detach() for k, v in model.state_dict().items()}
+    key = "inflight:bench"
+    engine.set_weights(key, hf, version=1)  # key switch, idle: makes `key` live
+    version = 1
+    layout = engine.param_layout()
+    for path in ("ipc", "ipc-hf", "hf"):
+        for rnd in range(args.rounds):
+            version += 1
+            t0 = time.perf_counter()
+            buffer = None
+            if path == "ipc":
+                buffer, payload = pack_for_engine(hf, layout, "cuda", version)
+            elif path == "ipc-hf":
+                buffer, entries = pack_flat(list(hf.items()), "cuda")
+                payload = make_ipc_weights(buffer, entries, version, layout="hf")
+            else:
+                payload = hf
+            torch.cuda.synchronize()
+            prep_ms = 1e3 * (time.perf_counter() - t0)
+            futures = [
+                engine.submit_sample(key, request(p, 1024, i))
+                for i, p in enumerate(prompts(args.in_flight, args.prompt_len, 77 + rnd))
+            ]
+            time.sleep(1.0)
+            in_flight = sum(not f.done() for f in futures)
+            engine.set_weights(key, payload, version)
+            outs = [f.result(timeout=600) for f in futures]
+            record = engine.sync_history[-1]
+            complete = all(len(o.sequences[0].tokens) == 1024 for o in outs)
+            result(bench="sync", path=path, round=rnd, in_flight=in_flight, all_complete=complete,
+                   bytes=record.bytes, prep_ms=round(prep_ms, 1),
+                   pause_ms=round(record.pause_ms, 1), load_ms=round(record.load_ms, 1),
+                   resume_ms=round(record.resume_ms, 1), window_ms=round(record.window_ms, 1),
+                   load_GBps=round(record.bytes / record.load_ms / 1e6, 1),
+                   window_GBps=round(record.bytes / record.window_ms / 1e6, 1))  # fmt: skip
+            del buffer, payload
+    del model, hf
+    torch.cuda.empty_cache()
+
+
+def summarize() -> None:
+    def best(side: str) -> float:
+        rates = [r["tok_per_s"] for r in RESULTS if r.get("side") == side]
+        return max(rates) if rates else float("nan")
+
+    raw = best("raw_asyncllm")
+    summary = dict(bench="summary", raw_tok_per_s=raw,
+                   ours_sync_ratio=round(best("ours_sync_threads") / raw, 3),
+                   ours_futures_ratio=round(best("ours_futures") / raw, 3))  # fmt: skip
+    for path in ("ipc", "ipc-hf", "hf"):
+        windows = [r["window_ms"] for r in RESULTS if r.get("path") == path]
+        rates = [r["load_GBps"] for r in RESULTS if r.get("path") == path]
+        if windows:
+            summary[f"{path}_window_ms_median"] = float(np.median(windows))
+            summary[f"{path}_load_GBps_median"] = float(np.median(rates))
+    result(**summary)
+
+
+def main() -> None:
+    args = parse()
+    for k, v in dict(VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                     VLLM_USE_FLASHINFER_SAMPLER="0").items():  # fmt: skip
+        os.environ.setdefault(k, v)
+    model_dir = args.model_dir or build_model(Path(tempfile.mkdtemp(prefix="qwen3_")))
+    ps = prompts(args.prompts, args.prompt_len, seed=1)
+    t0 = time.perf_counter()
+    engine = VllmSamplerEngine(model_dir, gpu_memory_utilization=args.gpu_mem,
+                               max_model_len=2048, enforce_eager=args.eager)  # fmt: skip
+    result(bench="start", side="ours", seconds=round(time.perf_counter() - t0, 1))
+    try:
+        ours_throughput(engine, args, ps)
+        sync_bench(engine, args, model_dir)
+    finally:
+        engine.close()
+    if not args.skip_raw:
+        raw_throughput(engine.engine_kwargs, args, ps)
+        summarize()
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / "gpu_vllm.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()
