@@ -233,6 +233,8 @@ def make_ipc_weights(
         )
     if layout not in ("vllm", "hf"):
         raise ValueError(f"layout must be 'vllm' or 'hf', got {layout!r}")
+    # The receiver reads on its own stream: the bytes must be written before the handle leaves.
+    torch.cuda.current_stream(buffer.device).synchronize()
     _rebuild, args = reduce_tensor(buffer.detach())
     _tensor_cls, size, stride, offset, storage_cls, dtype, device, *rest = args
     uuid = str(torch.cuda.get_device_properties(buffer.device).uuid)
