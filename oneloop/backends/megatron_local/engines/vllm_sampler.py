@@ -110,7 +110,12 @@ class VllmSamplerEngine(SamplerEngine):
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
         )
         self._thread.start()
-        self._engine = self._wait(self._start(), START_TIMEOUT_S, "engine start")
+        try:
+            self._engine = self._wait(self._start(), START_TIMEOUT_S, "engine start")
+        except BaseException:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
 
     # -- loop plumbing ---------------------------------------------------------------------------
 
@@ -209,13 +214,13 @@ class VllmSamplerEngine(SamplerEngine):
                 await self._pending_submissions_done()
                 same = self._live[0] == key
                 mode = "keep" if same else "wait"
-                t0 = time.perf_counter()
-                await self._engine.pause_generation(mode=mode, clear_cache=False)
-                t1 = time.perf_counter()
-                try:
+                t0 = t1 = time.perf_counter()
+                try:  # resume even when the pause, the load or our caller's wait fails
+                    await self._engine.pause_generation(mode=mode, clear_cache=False)
+                    t1 = time.perf_counter()
                     await self._rpc(method, *args)
                 except BaseException:
-                    self._live = (None, self._live[1])  # partly loaded: no key may claim them
+                    self._live = (None, self._live[1])  # maybe partly loaded: no key owns them
                     raise
                 finally:
                     t2 = time.perf_counter()
