@@ -18,8 +18,9 @@ Contracts:
 
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,7 +130,13 @@ class Segment:
 
 @dataclass(frozen=True)
 class Trajectory:
-    """An append-only TITO trajectory. Appending returns a new trajectory; nothing is mutated."""
+    """An append-only TITO trajectory. Appending returns a new trajectory; nothing is mutated.
+
+    All tokens so far are kept as one tuple (`_all_tokens`, cached, extended by each append), so
+    a turn costs one C-level copy of the history, never a Python loop over it. `model_input()`
+    hands out that immutable tuple as its chunk's tokens, so checking a prompt built by it is an
+    identity test; any other prompt is compared token by token.
+    """
 
     segments: tuple[Segment, ...]
     length: int
@@ -151,17 +158,31 @@ class Trajectory:
         if total != self.length:
             raise TitoError(f"length: {self.length} but the segments hold {total} tokens")
 
+    @functools.cached_property
+    def _all_tokens(self) -> tuple[int, ...]:
+        out: tuple[int, ...] = ()
+        for segment in self.segments:
+            out += segment.tokens
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (Ray returns trajectories from trial tasks) without the cache: it is rebuilt.
+        return {k: v for k, v in self.__dict__.items() if k != "_all_tokens"}
+
+    def _extended(self, segment: Segment) -> Trajectory:
+        new = Trajectory(self.segments + (segment,), self.length + len(segment.tokens))
+        new.__dict__["_all_tokens"] = self._all_tokens + segment.tokens  # seeds the cache
+        return new
+
     @property
     def tokens(self) -> list[int]:
         """All tokens so far, in order (the next sample's prompt)."""
-        out: list[int] = []
-        for segment in self.segments:
-            out.extend(segment.tokens)
-        return out
+        return list(self._all_tokens)
 
     def model_input(self) -> types.ModelInput:
-        """The next sample request's prompt: exactly the concatenation so far."""
-        return types.ModelInput.from_ints(self.tokens)
+        """The next sample request's prompt: exactly the concatenation so far (its one chunk
+        holds the tokens as a tuple)."""
+        return _token_model_input(self._all_tokens)
 
     @property
     def sampled_segments(self) -> tuple[Segment, ...]:
@@ -173,9 +194,10 @@ class Trajectory:
 
     def check_prompt(self, prompt: types.ModelInput | Sequence[int]) -> None:
         """Raise `TitoError` unless `prompt` is exactly this trajectory's tokens."""
-        sent = prompt.to_ints() if isinstance(prompt, types.ModelInput) else list(prompt)
-        if sent == (mine := self.tokens):
+        sent = _prompt_tokens(prompt)
+        if sent is self._all_tokens or (len(sent) == self.length and sent == self._all_tokens):
             return
+        sent, mine = list(sent), self.tokens
         first = next(
             (i for i, (a, b) in enumerate(zip(sent, mine, strict=False)) if a != b),
             min(len(sent), len(mine)),
@@ -223,12 +245,12 @@ class Trajectory:
             digest=token_digest(tokens_np),
             stop_reason=sequence.stop_reason,
         )
-        return Trajectory(self.segments + (segment,), self.length + len(segment.tokens))
+        return self._extended(segment)
 
     def append_observation(self, tokens: Sequence[int]) -> Trajectory:
         """Append environment tokens (a renderer's observation delta); never trained on."""
         segment = Segment("observation", _int_tuple(tokens, "observation tokens"))
-        return Trajectory(self.segments + (segment,), self.length + len(segment.tokens))
+        return self._extended(segment)
 
     def verify(self) -> None:
         """Re-check every sampled segment's digest; raise `TitoError` on the first mismatch."""
@@ -246,11 +268,8 @@ class Trajectory:
         if self.length < 2:
             raise TitoError(f"length: a datum needs at least 2 tokens, got {self.length}")
         self.verify()
-        full = np.fromiter(
-            itertools.chain.from_iterable(s.tokens for s in self.segments),
-            dtype=np.int64,
-            count=self.length,
-        )
+        # array.array converts a tuple of ints at C speed, about 3x np.fromiter's rate.
+        full = np.frombuffer(array.array("q", self._all_tokens), dtype=np.int64)
         mask = np.zeros(self.length, dtype=np.float32)
         logprobs = np.zeros(self.length, dtype=np.float32)
         offset = 0
@@ -262,7 +281,7 @@ class Trajectory:
             offset = end
         targets_mask = mask[1:]
         return types.Datum(
-            model_input=types.ModelInput.from_ints(full[:-1].tolist()),
+            model_input=_token_model_input(list(self._all_tokens[:-1])),
             loss_fn_inputs={
                 "target_tokens": types.TensorData.from_numpy(full[1:]),
                 "weights": types.TensorData.from_numpy(targets_mask.copy()),
@@ -302,6 +321,23 @@ class Trajectory:
         trajectory = cls(segments=segments, length=length)
         trajectory.verify()
         return trajectory
+
+
+def _token_model_input(tokens: Sequence[int]) -> types.ModelInput:
+    """`ModelInput.from_ints(tokens)` without pydantic re-checking every id: a trajectory's
+    tokens were validated (non-negative ints) when their segment was appended."""
+    chunk = types.EncodedTextChunk.model_construct(tokens=tokens)
+    return types.ModelInput.model_construct(chunks=[chunk])
+
+
+def _prompt_tokens(prompt: types.ModelInput | Sequence[int]) -> tuple[int, ...]:
+    """The token ids of a sample request's prompt, as a tuple (compared at C speed)."""
+    if not isinstance(prompt, types.ModelInput):
+        return tuple(prompt)
+    chunks = prompt.chunks
+    if len(chunks) == 1 and isinstance(chunks[0], types.EncodedTextChunk):
+        return tuple(chunks[0].tokens)  # the same object when it already is a tuple
+    return tuple(prompt.to_ints())
 
 
 def _int_tuple(tokens: Sequence[int] | np.ndarray, where: str) -> tuple[int, ...]:
