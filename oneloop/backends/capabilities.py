@@ -71,13 +71,22 @@ class Capabilities:
             )
 
 
-def local_capabilities(max_lora_rank: int, models: Iterable[str] = ()) -> Capabilities:
-    """The local Ray backend: every built-in loss, both sampler kinds, LoRA and full fine-tuning."""
+def local_capabilities(
+    max_lora_rank: int,
+    models: Iterable[str] = (),
+    trainer_engine: str = "torch",
+    sampler_engine: str = "torch",
+) -> Capabilities:
+    """The local Ray backend: every built-in loss; both sampler kinds and LoRA with the torch
+    engines. The vllm engine holds one live weight set, so only `inflight` clients (a snapshot
+    would evict the weights in-flight clients sample from); the megatron engine trains fully."""
     return Capabilities(
         backend="local",
         losses=BUILTIN_LOSSES,
-        sampler_kinds=frozenset({"snapshot", "inflight"}),
-        lora=True,
+        sampler_kinds=frozenset(
+            {"inflight"} if sampler_engine == "vllm" else {"snapshot", "inflight"}
+        ),
+        lora=trainer_engine != "megatron",
         full_finetune=True,
         max_lora_rank=max_lora_rank,
         models=frozenset(models),

@@ -16,6 +16,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class MegatronSettings(_Strict):
+    """Settings of the `megatron` trainer engine (GPU)."""
+
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size (this release: 1; larger is refused with the reason)."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel size (this release: 1)."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel size (this release: 1)."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel size (this release: 1; MoE waits for the multi-rank trainer group)."""
+    use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer (fp32 main params sharded over data-parallel ranks)."""
+    optimizer_cpu_offload: bool = False
+    """Keep optimizer state and the update on the CPU (saves GPU memory, costs step time)."""
+
+
+class VllmSettings(_Strict):
+    """Settings of the `vllm` sampler engine (GPU)."""
+
+    gpu_memory_utilization: float = Field(default=0.4, gt=0, le=1)
+    """Fraction of GPU memory vLLM takes (weights + KV cache); keep < 0.5 beside a trainer."""
+    max_model_len: int = Field(default=4096, gt=0)
+    """Longest prompt + completion in tokens."""
+    max_num_seqs: int = Field(default=256, gt=0)
+    """Sequences one engine step may batch."""
+    enforce_eager: bool = False
+    """Skip CUDA graphs and compilation (faster start, slower decode)."""
+    attention_backend: str | None = "TRITON_ATTN"
+    """vLLM attention backend name; None = vLLM's choice (needs the flash-attention kernels)."""
+
+
 class LocalBackendConfig(_Strict):
     """How the local (Ray) backend builds its engines."""
 
@@ -37,6 +69,19 @@ class LocalBackendConfig(_Strict):
     """CPUs a locally started Ray advertises; None = Ray's default (the host's cores)."""
     max_lora_rank: int = Field(default=256, gt=0)
     """Largest LoRA rank this deployment accepts (rank 0 = full fine-tuning)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the `torch` engines run; the `megatron` and `vllm` engines always run on CUDA."""
+    gpus_per_trainer: float = Field(default=0.0, ge=0)
+    """GPUs Ray reserves per trainer actor (0.5 + 0.5 colocates trainer and sampler on one GPU)."""
+    gpus_per_sampler: float = Field(default=0.0, ge=0)
+    """GPUs Ray reserves per sampler actor."""
+    weight_sync: Literal["auto", "object_store", "cuda_ipc"] = "auto"
+    """Trainer → sampler weights: numpy through Ray's object store, or CUDA IPC into the vLLM
+    engine's parameter storage (same host); auto = cuda_ipc for vllm with a CUDA trainer."""
+    megatron: MegatronSettings = MegatronSettings()
+    """Settings of the megatron trainer engine."""
+    vllm: VllmSettings = VllmSettings()
+    """Settings of the vllm sampler engine."""
 
 
 class TinkerBackendConfig(_Strict):

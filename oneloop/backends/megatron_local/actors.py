@@ -10,11 +10,13 @@ arrays, zero-copy on the reading side); each sync bumps the trainer's version.
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ray
 from safetensors.numpy import load_file, save_file
 
+from oneloop.backends.config import LocalBackendConfig
 from oneloop.backends.megatron_local.engines.base import (
     DatumArrays,
     ForwardResult,
@@ -22,6 +24,7 @@ from oneloop.backends.megatron_local.engines.base import (
     SampleOutput,
     SampleRequest,
 )
+from oneloop.backends.megatron_local.engines.factory import make_sampler_engine, make_trainer_engine
 from oneloop.backends.megatron_local.paths import META_FILE
 
 SAMPLER_WEIGHTS_FILE = "model.safetensors"
@@ -38,16 +41,10 @@ def write_meta(directory: Path, meta: dict) -> None:
 class TrainerActor:
     """Hosts one trainer engine (see `engines.base.TrainerEngine`)."""
 
-    def __init__(self, engine_kind: str, model_path: str, lora: LoraSpec, options: dict) -> None:
-        if engine_kind != "torch":
-            raise ValueError(
-                f"local.trainer_engine={engine_kind!r} needs the GPU engines (oneloop[gpu]); "
-                "only 'torch' is available in this install"
-            )
-        from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
-
-        self.engine = TorchTrainerEngine(Path(model_path), lora, **options)
+    def __init__(self, local: LocalBackendConfig, model_path: str, lora: LoraSpec) -> None:
+        self.engine = make_trainer_engine(local, Path(model_path), lora)
         self.sync_version = 0
+        self._shared_buffer = None  # the last CUDA IPC weight buffer, alive until the next export
 
     def ready(self) -> bool:
         return True
@@ -64,10 +61,20 @@ class TrainerActor:
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         return self.engine.optim_step(adam_params)
 
-    def export_sampler_weights(self) -> tuple[int, dict[str, np.ndarray]]:
-        """Bump the sync version and return it with the full sampler weights."""
+    def export_sampler_weights(self, layout: list | None = None) -> tuple[int, Any]:
+        """Bump the sync version and return it with the full sampler weights: numpy arrays, or —
+        given the sampler's parameter `layout` — one CUDA IPC buffer already in that layout, which
+        the sampler copies straight into its parameters (the buffer lives until the next export)."""
         self.sync_version += 1
-        return self.sync_version, self.engine.sampler_weights()
+        if layout is None:
+            return self.sync_version, self.engine.sampler_weights()
+        from oneloop.backends.megatron_local.engines.weight_layout import pack_for_engine
+
+        hf = self.engine.hf_weights()  # type: ignore[attr-defined]  (CUDA engines only)
+        device = next(iter(hf.values())).device
+        self._shared_buffer = None
+        self._shared_buffer, handle = pack_for_engine(hf, layout, device, self.sync_version)
+        return self.sync_version, handle
 
     def save_state(self, directory: str, meta: dict, with_optimizer: bool = True) -> None:
         path = Path(directory)
@@ -96,23 +103,27 @@ class MissingWeightsError(RuntimeError):
 class SamplerActor:
     """Hosts one sampler engine (see `engines.base.SamplerEngine`) for one base model."""
 
-    def __init__(self, engine_kind: str, model_path: str, options: dict) -> None:
-        if engine_kind != "torch":
-            raise ValueError(
-                f"local.sampler_engine={engine_kind!r} needs the GPU engines (oneloop[gpu]); "
-                "only 'torch' is available in this install"
-            )
-        from oneloop.backends.megatron_local.engines.torch_sampler import TorchSamplerEngine
-
-        self.engine = TorchSamplerEngine(Path(model_path), **options)
+    def __init__(self, local: LocalBackendConfig, model_path: str) -> None:
+        self.engine = make_sampler_engine(local, Path(model_path))
+        # Thread-safe engines (vllm) batch concurrent requests themselves; others run one call at
+        # a time behind a FIFO lock.
+        self.concurrent = bool(getattr(self.engine, "thread_safe", False))
         self.lock = asyncio.Lock()
 
     async def ready(self) -> bool:
         return True
 
     async def _run(self, fn, *args):
+        if self.concurrent:
+            return await asyncio.to_thread(fn, *args)
         async with self.lock:
             return await asyncio.to_thread(fn, *args)
+
+    async def weight_layout(self) -> list | None:
+        """The engine's parameter layout for CUDA IPC weight sync, or None (numpy sync only)."""
+        if not hasattr(self.engine, "param_layout"):
+            return None
+        return await asyncio.to_thread(self.engine.param_layout)
 
     async def set_weights(self, key: str, payload: tuple[int, dict[str, np.ndarray]]) -> int:
         """Install `payload` as `key` unless a newer version is already there; returns the
@@ -143,6 +154,8 @@ class SamplerActor:
 
     async def sample(self, key: str, request: SampleRequest, min_version: int = 0) -> SampleOutput:
         self._require(key, min_version)
+        if self.concurrent:  # no thread per request: the engine's own loop carries them
+            return await asyncio.wrap_future(self.engine.submit_sample(key, request))  # type: ignore[attr-defined]
         return await self._run(self.engine.sample, key, request)
 
     async def prompt_logprobs(

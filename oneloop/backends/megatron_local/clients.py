@@ -410,7 +410,7 @@ class LocalTrainingClient:
             else f"snapshot:{self.model_id}:{next(self._snapshots)}"
         )
         sampler = self._service.sampler_actor(self._model_dir)
-        payload = self._actor.export_sampler_weights.remote()
+        payload = self._actor.export_sampler_weights.remote(self._service.sync_layout(sampler))
         installed = sampler.set_weights.remote(key, payload)
         return chain(
             installed,
@@ -450,7 +450,12 @@ class LocalServiceClient:
         self.config = config
         self.run_dir = config.run_dir.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.capabilities: Capabilities = local_capabilities(config.local.max_lora_rank, models=())
+        self.capabilities: Capabilities = local_capabilities(
+            config.local.max_lora_rank,
+            models=(),
+            trainer_engine=config.local.trainer_engine,
+            sampler_engine=config.local.sampler_engine,
+        )
         if not ray.is_initialized():
             ray.init(
                 address=config.local.ray_address,
@@ -460,6 +465,7 @@ class LocalServiceClient:
                 configure_logging=False,
             )
         self._samplers: dict[str, Any] = {}
+        self._layouts: dict[Any, Any] = {}
         self._sampler_info: dict[str, tuple[tuple[int, ...], int]] = {}
         self._trainers: list[Any] = []
 
@@ -480,16 +486,12 @@ class LocalServiceClient:
             f"backend.models (name: local HF directory), use {TINY_MODEL_NAME!r}, or pass a path"
         )
 
-    def _engine_options(self) -> dict:
-        local = self.config.local
-        return {"dtype": local.dtype, "threads": local.torch_threads}
-
     def sampler_actor(self, model_dir: Path) -> Any:
         """The sampler actor for one base model, started on first use."""
         key = str(model_dir)
         if key not in self._samplers:
-            options = {**self._engine_options(), "max_snapshots": self.config.local.max_snapshots}
-            actor = SamplerActor.remote(self.config.local.sampler_engine, key, options)
+            local = self.config.local
+            actor = SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key)
             self._samplers[key] = actor
             from transformers import AutoConfig, GenerationConfig
 
@@ -498,6 +500,22 @@ class LocalServiceClient:
             context = int(AutoConfig.from_pretrained(key).max_position_embeddings)
             self._sampler_info[key] = (eos_ids, context)
         return self._samplers[key]
+
+    def sync_layout(self, sampler: Any) -> Any:
+        """What a trainer exports for `sampler`: an ObjectRef of its CUDA IPC parameter layout, or
+        None for numpy through the object store (`local.weight_sync`)."""
+        local = self.config.local
+        mode = local.weight_sync
+        if mode == "auto":
+            cuda_trainer = local.trainer_engine == "megatron" or local.device == "cuda"
+            mode = "cuda_ipc" if local.sampler_engine == "vllm" and cuda_trainer else "object_store"
+        if mode == "object_store":
+            return None
+        if local.sampler_engine != "vllm":
+            raise CapabilityError("local.weight_sync=cuda_ipc needs local.sampler_engine=vllm")
+        if sampler not in self._layouts:
+            self._layouts[sampler] = sampler.weight_layout.remote()
+        return self._layouts[sampler]
 
     def sampling_client(
         self,
@@ -531,11 +549,9 @@ class LocalServiceClient:
     ) -> tuple[Any, str]:
         self.capabilities.check(lora_rank=lora.rank)
         local = self.config.local
-        options = {
-            **self._engine_options(),
-            "max_tokens_per_microbatch": local.max_tokens_per_microbatch,
-        }
-        actor = TrainerActor.remote(local.trainer_engine, str(model_dir), lora, options)
+        actor = TrainerActor.options(num_gpus=local.gpus_per_trainer).remote(
+            local, str(model_dir), lora
+        )
         self._trainers.append(actor)
         return actor, run_id or f"run-{uuid.uuid4().hex[:12]}"
 

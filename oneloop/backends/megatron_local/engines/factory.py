@@ -1,0 +1,64 @@
+"""Builds the engine a `local` backend config names; the only place that maps names to classes.
+
+GPU engines are imported lazily, so a CPU install never imports megatron-core or vLLM.
+"""
+
+from pathlib import Path
+
+from oneloop.backends.config import LocalBackendConfig
+from oneloop.backends.megatron_local.engines.base import LoraSpec, SamplerEngine, TrainerEngine
+
+
+def _missing_gpu_extra(knob: str, kind: str, error: ImportError) -> RuntimeError:
+    return RuntimeError(
+        f"local.{knob}={kind!r} needs the GPU engines: install oneloop[gpu] on a CUDA host "
+        f"(import failed: {error})"
+    )
+
+
+def make_trainer_engine(
+    local: LocalBackendConfig, model_path: Path, lora: LoraSpec
+) -> TrainerEngine:
+    """The trainer engine `local.trainer_engine` on `model_path` with `lora`."""
+    common = {
+        "dtype": local.dtype,
+        "threads": local.torch_threads,
+        "max_tokens_per_microbatch": local.max_tokens_per_microbatch,
+    }
+    if local.trainer_engine == "torch":
+        from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+
+        return TorchTrainerEngine(model_path, lora, device=local.device, **common)
+    try:
+        import megatron.core  # noqa: F401
+
+        from oneloop.backends.megatron_local.engines.megatron_trainer import (
+            MegatronParallel,
+            MegatronTrainerEngine,
+        )
+    except ImportError as error:
+        raise _missing_gpu_extra("trainer_engine", local.trainer_engine, error) from error
+    parallel = MegatronParallel(**local.megatron.model_dump())
+    return MegatronTrainerEngine(model_path, lora, device="cuda", parallel=parallel, **common)
+
+
+def make_sampler_engine(local: LocalBackendConfig, model_path: Path) -> SamplerEngine:
+    """The sampler engine `local.sampler_engine` on `model_path` (its base weights)."""
+    if local.sampler_engine == "torch":
+        from oneloop.backends.megatron_local.engines.torch_sampler import TorchSamplerEngine
+
+        return TorchSamplerEngine(
+            model_path,
+            dtype=local.dtype,
+            threads=local.torch_threads,
+            max_snapshots=local.max_snapshots,
+            device=local.device,
+        )
+    try:
+        import vllm  # noqa: F401
+
+        from oneloop.backends.megatron_local.engines.vllm_sampler import VllmSamplerEngine
+    except ImportError as error:
+        raise _missing_gpu_extra("sampler_engine", local.sampler_engine, error) from error
+    dtype = "bfloat16" if local.dtype == "bfloat16" else "float32"
+    return VllmSamplerEngine(model_path, dtype=dtype, **local.vllm.model_dump())

@@ -1,0 +1,43 @@
+"""Build a random-weight Qwen3 of a real shape on the device (no hub there): `--shape 0.6b|1.7b`.
+
+Timings on such a model are representative; its text is not. Writes a Hugging Face directory
+(config, generation config, bf16 safetensors) that every engine loads like a downloaded model.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+# Published Qwen3 shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B).
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8),
+}  # fmt: skip
+
+
+def build(shape: str, out: Path, seed: int = 0) -> Path:
+    if (out / "config.json").is_file():
+        return out
+    config = Qwen3Config(
+        vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+        **SHAPES[shape],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    print(build(args.shape, args.out))

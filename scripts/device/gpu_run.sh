@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU runbook as one script: `bash scripts/device/gpu_run.sh STAGE` on the device machine
+# (the `device` tool's `run`, repository root as working directory). Stages, in order, each one
+# device call issued right after the previous one (a warm machine is given back after ~30 s idle):
+#
+#   setup1    carry [".w1"]          megatron-core; stash the first half of the vLLM wheel
+#   setup2    carry [".w2"]          vLLM (repacked, no flash-attn .so) + its missing deps
+#   setup3    carry [".w3", ".w4"]   Ray; tinker SDK + deps; random Qwen3 0.6B / 1.7B shapes
+#   megatron                         megatron-vs-torch parity test, save/load test, MFU bench
+#   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
+#   e2e                              the whole local backend on Ray (megatron + vllm, CUDA IPC)
+#
+# Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
+# `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
+# Figures land in $OUT (JSON per test / bench) and in the printed RESULT / FIGURES lines.
+set -uo pipefail
+stage="${1:?stage}"
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+export VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0 RAY_USAGE_STATS_ENABLED=0
+export OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT" /tmp/site /tmp/w /tmp/models
+pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@"; }
+pytest_gpu() { python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -q -rA "$@"; }
+if [ "$stage" != setup1 ] && [ ! -d /tmp/site/megatron ]; then
+  echo "machine lost (no /tmp/site/megatron): start again at setup1" >&2; exit 3
+fi
+case "$stage" in
+  setup1)
+    cp .w1/vllm.part0 /tmp/w/ && pip_target .w1/megatron_core*.whl
+    nvidia-smi --query-gpu=name,memory.total --format=csv ;;
+  setup2)
+    cat /tmp/w/vllm.part0 .w2/vllm.part1 > /tmp/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    pip_target /tmp/w/vllm-0.26.0-*.whl .w2/deps/*.whl
+    sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' /tmp/site/vllm/vllm_flash_attn/__init__.py
+    python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
+  setup3)
+    pip_target .w3/ray*.whl .w4/*.whl
+    python3 scripts/device/build_random_qwen3.py --shape 0.6b --out /tmp/models/qwen3-0.6b
+    python3 scripts/device/build_random_qwen3.py --shape 1.7b --out /tmp/models/qwen3-1.7b
+    python3 -c "import ray, tinker, megatron.core; print('ray', ray.__version__, 'tinker', tinker.__version__)" ;;
+  megatron)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py 2>&1 | tail -40
+    python3 benchmarks/gpu_train.py --model-dir /tmp/models 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
+  vllm)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
+    python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
+  e2e)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_local_gpu_backend.py 2>&1 | tail -60 ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
