@@ -4,12 +4,26 @@ Measures, in one run on the same machine and backend:
 - training step time (forward_backward + optim_step, submitted back to back) on `--tokens`
   tokens (default 262,144 = 256 datums x 1,024), SDK -> serve vs in process, and their ratio;
 - one `sample` of `--num-samples` (default 64) sequences, SDK -> serve vs in process;
-- protobuf codec throughput in tokens/s: the SDK's request encoder + our decoder, and our
-  ForwardBackwardOutput encoder + the SDK's decoder.
+- protobuf codec throughput in tokens/s, each half of each message timed on its own (median of
+  `--codec-repeats`), on the code each side really runs:
+  * request (`/forward_backward` body), a token = one position of a datum's model input (on the
+    wire: an int32 id + an int64 target + a float32 weight, 16 bytes): the SDK's encoder
+    (`request_conv.forward_backward_request_to_proto(...).SerializeToString()`, as
+    `resources/training.py` does) and the server's `decode_forward_backward`; also the server's
+    whole way from the body to the engine's arrays (`decode_forward_backward` + the backend's
+    `datum_to_arrays`, what `forward_backward` does before a Ray call);
+  * output (`ForwardBackwardOutput` result), a token = one target logprob (float32): the
+    server's `encode_forward_backward_output` and the SDK's `deserialize_forward_backward_output`;
+  * sample result, a token = one sampled token (int32 id + float32 logprob): the server's
+    `encode_sample_response` and the SDK's `deserialize_sample_response`.
+  The round trip of a message is tokens / (encode s + decode s); the goal is >= 200 M tokens/s.
+  The SDK's halves are the unmodified SDK's code: this project cannot change them.
 
 Both paths drive twin models (same base model, LoRA rank and seed); runs alternate, and which
 path goes first alternates too. Medians are reported.
-Usage: `python benchmarks/bench_serve.py [--tokens N] [--repeats R] [--json out.json]`.
+Usage: `python benchmarks/bench_serve.py [--tokens N] [--repeats R] [--json out.json]`;
+`--codec-only` times only the codecs (no server, no training), on a `ForwardBackwardOutput` and a
+`SampleResponse` built by the local backend's own converters from arrays of the same shapes.
 """
 
 from __future__ import annotations
@@ -26,17 +40,24 @@ import numpy as np
 import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
-from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.proto.response_conv import (
+    deserialize_forward_backward_output,
+    deserialize_sample_response,
+)
 
 from oneloop.backends import BackendConfig, connect
+from oneloop.backends.megatron_local.clients import datum_to_arrays, forward_output
+from oneloop.backends.megatron_local.engines.base import ForwardResult
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 from oneloop.backends.megatron_local.serve.proto import (
     decode_forward_backward,
     encode_forward_backward_output,
+    encode_sample_response,
 )
 from oneloop.tiny_model import TINY_MODEL_NAME
 
 TIMEOUT_S = 1800
+GOAL_CODEC_TOKENS_PER_S = 200e6
 
 
 def batch(tokens: int, seq_len: int, seed: int = 0) -> list[types.Datum]:
@@ -66,21 +87,85 @@ def train_step(client: Any, data: list[types.Datum]) -> types.ForwardBackwardOut
     return out
 
 
+def median_s(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(timed(fn)[0] for _ in range(repeats))
+
+
 def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutput,
-                     repeats: int) -> dict[str, float]:
+                     sample: types.SampleResponse, repeats: int) -> dict[str, Any]:
+    """Tokens/s of each codec half and of each message's round trip (module docstring)."""
     tokens = sum(d.model_input.length for d in data)
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
         model_id="bench:train:0", seq_id=1,
     )
-    req_s = min(timed(lambda: decode_forward_backward(
-        forward_backward_request_to_proto(request).SerializeToString()))[0]
-        for _ in range(repeats))
-    out_s = min(timed(lambda: deserialize_forward_backward_output(
-        encode_forward_backward_output(output)))[0] for _ in range(repeats))
-    return {"request_encode_decode_tokens_per_s": tokens / req_s,
-            "output_encode_decode_tokens_per_s": tokens / out_s,
-            "request_bytes": len(forward_backward_request_to_proto(request).SerializeToString())}
+    body = forward_backward_request_to_proto(request).SerializeToString()
+
+    def to_engine() -> None:
+        decoded = decode_forward_backward(body)
+        for i, datum in enumerate(decoded.input.data):
+            datum_to_arrays(datum, decoded.input.loss_fn, i)
+
+    out_tokens = sum(o["logprobs"].to_numpy().size for o in output.loss_fn_outputs)
+    out_body = encode_forward_backward_output(output)
+    sample_tokens = sum(len(s.tokens_np if s.tokens_np is not None else s.tokens)
+                        for s in sample.sequences)
+    sample_body = encode_sample_response(sample)
+    seconds = {
+        "request/sdk_encode": median_s(
+            lambda: forward_backward_request_to_proto(request).SerializeToString(), repeats),
+        "request/serve_decode": median_s(lambda: decode_forward_backward(body), repeats),
+        "request/serve_decode_to_engine_arrays": median_s(to_engine, repeats),
+        "output/serve_encode": median_s(lambda: encode_forward_backward_output(output), repeats),
+        "output/sdk_decode": median_s(
+            lambda: deserialize_forward_backward_output(out_body), repeats),
+        "sample/serve_encode": median_s(lambda: encode_sample_response(sample), repeats),
+        "sample/sdk_decode": median_s(lambda: deserialize_sample_response(sample_body), repeats),
+    }
+    count = {"request": tokens, "output": out_tokens, "sample": sample_tokens}
+    rates = {f"codec/{k}_tokens_per_s": count[k.split("/")[0]] / s for k, s in seconds.items()}
+    for message, enc, dec in (("request", "sdk_encode", "serve_decode"),
+                              ("output", "serve_encode", "sdk_decode"),
+                              ("sample", "serve_encode", "sdk_decode")):
+        both = seconds[f"{message}/{enc}"] + seconds[f"{message}/{dec}"]
+        rates[f"codec/{message}/round_trip_tokens_per_s"] = count[message] / both
+    return {**rates, "codec/tokens": count, "codec/request_bytes": len(body),
+            "codec/output_bytes": len(out_body), "codec/sample_bytes": len(sample_body),
+            "codec/goal_tokens_per_s": GOAL_CODEC_TOKENS_PER_S}
+
+
+def print_codec(results: dict[str, Any]) -> None:
+    """One line per codec half and round trip: tokens/s beside the goal."""
+    goal = GOAL_CODEC_TOKENS_PER_S
+    print(f"protobuf codec, tokens per message {results['codec/tokens']}, goal >= "
+          f"{goal / 1e6:.0f} M tokens/s")  # fmt: skip
+    for key, value in results.items():
+        if key.startswith("codec/") and key.endswith("_tokens_per_s") and "goal" not in key:
+            name = key.removeprefix("codec/").removesuffix("_tokens_per_s")
+            side = "ours" if "serve" in name else "SDK " if "sdk" in name else "both"
+            print(f"  {name:42s} [{side}] {value / 1e6:9.1f} M tokens/s  "
+                  f"{'meets' if value >= goal else 'misses'} the goal ({value / goal:.2f}x)")
+
+
+def synthetic_results(data: list[types.Datum], num_samples: int, max_tokens: int,
+                      seed: int = 0) -> tuple[types.ForwardBackwardOutput, types.SampleResponse]:
+    """A forward_backward output and a sample response of the benchmark's shapes, built by the
+    local backend's own converters (`forward_output`; `SampledSequence` with numpy fields as
+    `LocalSamplingClient` makes them), for `--codec-only`."""
+    rng = np.random.default_rng(seed)
+    logprobs = [-rng.random(d.model_input.length, dtype=np.float32) for d in data]
+    output = forward_output(ForwardResult(logprobs=logprobs, loss=1.0,
+                                          per_datum_loss=[1.0] * len(data)))  # fmt: skip
+    sequences = [
+        types.SampledSequence(
+            stop_reason="length", sequence_id=f"bench/v1/{i}",
+            tokens_np=rng.integers(300, 1000, max_tokens).astype(np.int32),
+            logprobs_np=-rng.random(max_tokens, dtype=np.float32),
+        )
+        for i in range(num_samples)
+    ]  # fmt: skip
+    return output, types.SampleResponse(sequences=sequences)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -91,8 +176,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model", default=TINY_MODEL_NAME)
+    parser.add_argument("--codec-repeats", type=int, default=5,
+                        help="timed repeats of each codec half (median)")
+    parser.add_argument("--codec-only", action="store_true",
+                        help="time only the protobuf codecs (no server, no training steps)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.codec_only:
+        data = batch(args.tokens, args.seq_len)
+        output, sample = synthetic_results(data, args.num_samples, args.max_tokens)
+        results = codec_throughput(data, output, sample, args.codec_repeats)
+        print_codec(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(json.dumps(results, indent=2) + "\n")
+        return results
 
     backend = connect(BackendConfig(backend="local", run_dir=tempfile.mkdtemp(prefix="bench_")))
     results: dict[str, Any] = {"tokens_per_step": 0}
@@ -110,14 +208,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         step_serve: list[float] = []
         step_local: list[float] = []
-        output = None
+        output = None  # the in-process result: what the server encodes
         for repeat in range(args.repeats):  # alternate which path goes first
             for path in (("serve", "local") if repeat % 2 == 0 else ("local", "serve")):
                 if path == "serve":
-                    seconds, output = timed(lambda: train_step(via_serve, data))
-                    step_serve.append(seconds)
+                    step_serve.append(timed(lambda: train_step(via_serve, data))[0])
                 else:
-                    step_local.append(timed(lambda: train_step(in_process, data))[0])
+                    seconds, output = timed(lambda: train_step(in_process, data))
+                    step_local.append(seconds)
 
         prompt = types.ModelInput.from_ints(list(range(300, 332)))
         params = types.SamplingParams(max_tokens=args.max_tokens, seed=0, stop=[])
@@ -128,11 +226,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sampler.sample(prompt, 1, params).result(timeout=TIMEOUT_S)
         sample_serve: list[float] = []
         sample_local: list[float] = []
+        sample_response = None  # the in-process result: what the server encodes
         for repeat in range(args.repeats):
             pairs = ((sampler_serve, sample_serve), (sampler_local, sample_local))
             for sampler, times in pairs if repeat % 2 == 0 else pairs[::-1]:
-                times.append(timed(lambda s=sampler: s.sample(
-                    prompt, args.num_samples, params).result(timeout=TIMEOUT_S))[0])
+                seconds, response = timed(lambda s=sampler: s.sample(
+                    prompt, args.num_samples, params).result(timeout=TIMEOUT_S))
+                times.append(seconds)
+                if sampler is sampler_local:
+                    sample_response = response
         sdk.close("success").result(timeout=60)
 
     med = statistics.median
@@ -149,11 +251,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sample_max_tokens": args.max_tokens,
         "repeats": args.repeats,
     })
-    assert output is not None
-    results.update(codec_throughput(data, output, max(3, args.repeats)))
+    assert output is not None and sample_response is not None
+    results.update(codec_throughput(data, output, sample_response, args.codec_repeats))
     backend.close()
     text = json.dumps(results, indent=2)
     print(text)
+    print_codec(results)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
