@@ -347,8 +347,13 @@ def _int_tuple(tokens: Sequence[int] | np.ndarray, where: str) -> tuple[int, ...
         return tuple(tokens.tolist())
     out = tuple(tokens)
     if set(map(type, out)) <= {int}:  # the common case (plain ints), checked at C speed
-        if out and min(out) < 0:
-            raise TitoError(f"{where}: expected non-negative token ids, got {min(out)}")
+        try:
+            array.array("Q", out)  # sign check at C speed: a negative id overflows "Q"
+        except OverflowError:  # a negative id, or one of 2**64 or more (allowed)
+            if min(out) < 0:
+                raise TitoError(
+                    f"{where}: expected non-negative token ids, got {min(out)}"
+                ) from None
         return out
     for t in out:
         if not isinstance(t, int | np.integer) or isinstance(t, bool) or t < 0:
