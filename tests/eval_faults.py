@@ -69,8 +69,15 @@ def faulty_server(answer_path: Path, error_tool: str | None, traceback_tool: str
             raise ToolError(f"injected failure of {name}")
         result = await original(name, arguments, context)
         if name == traceback_tool:
-            text = "".join(getattr(c, "text", "") for c in result.content)
-            return CallToolResult(content=[TextContent(type="text", text=TRACEBACK_TEXT + text)])
+            text = TRACEBACK_TEXT + "".join(getattr(c, "text", "") for c in result.content)
+            # Keep the structured twin consistent: clients check it against the output schema.
+            structured = dict(result.structured_content or {})
+            if "result" in structured:
+                structured["result"] = text
+            return CallToolResult(
+                content=[TextContent(type="text", text=text)],
+                structured_content=structured or None,
+            )
         return result
 
     server.call_tool = call_tool  # the request handler looks it up on the instance

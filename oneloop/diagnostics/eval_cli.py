@@ -94,7 +94,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--seed", type=int, default=0, help="base sampling seed")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow flags
     overrides = list(args.overrides)
     for flag, key in (
         ("backend", "backend.backend"),

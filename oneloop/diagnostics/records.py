@@ -12,6 +12,7 @@ directories (`<run>/trials/*/result.json`, one record per attempt). Fields:
     timings: TrialTimings as a dict (seconds)
     tool_calls: [{tool, server, arguments, status, result, sec, failed, failure}]
     segments: [{kind, trained, tokens, text}]   (trained = the loss mask: sampled tokens)
+    digest (the first sampled segment's TITO digest: joins the loop's logprob_gaps.jsonl rows)
 
 A tool call failed when the MCP status is not `ok` (the `is_error` flag, a timeout, an exception,
 an unknown tool) or, for an `ok` call, when its result text matches one of the error patterns
@@ -119,6 +120,7 @@ def build_record(
         failure = call_failure(call, patterns)
         calls.append(dict(call) | {"failed": failure is not None, "failure": failure})
     segments = _segments(trajectory, decode)
+    digests = [s.get("digest") for s in (trajectory or {}).get("segments") or [] if s.get("digest")]
     masked = outcome in (TrialOutcome.AGENT_TIMEOUT, TrialOutcome.INFRA_ERROR)
     infra = (attempts - 1) + (1 if outcome == TrialOutcome.INFRA_ERROR else 0)
     return {
@@ -144,6 +146,7 @@ def build_record(
         "timings": dict(timings),
         "tool_calls": calls,
         "segments": segments,
+        "digest": digests[0] if digests else None,  # first sampled segment's (joins gap rows)
     }
 
 
@@ -189,7 +192,7 @@ def records_from_trials_dir(
     """
     from harbor.models.trial.result import TrialResult
 
-    from oneloop.agents.trials import METADATA_TIMINGS, _seconds, classify
+    from oneloop.agents.trials import METADATA_TIMINGS, classify
 
     for path in sorted(Path(trials_dir).glob("*/result.json")):
         try:
@@ -205,6 +208,7 @@ def records_from_trials_dir(
             "agent_setup_sec": _seconds(result.agent_setup),
             "agent_sec": _seconds(result.agent_execution),
             "verifier_sec": _seconds(result.verifier),
+            "total_sec": _seconds(result),  # started_at .. finished_at of the whole trial
             **{k: float(v) for k, v in agent_timings.items()},
         }
         version = kwargs.get("sampler_version")
@@ -225,6 +229,14 @@ def records_from_trials_dir(
             pass_threshold=pass_threshold,
             step=int(version) if version is not None else None,
         )
+
+
+def _seconds(timing: Any) -> float:
+    """Seconds between a Harbor timing's (or result's) started_at and finished_at; 0 if unset."""
+    started, finished = getattr(timing, "started_at", None), getattr(timing, "finished_at", None)
+    if started is None or finished is None:
+        return 0.0
+    return max(0.0, (finished - started).total_seconds())
 
 
 def write_records(path: Path, records: Iterable[Mapping[str, Any]]) -> None:

@@ -17,6 +17,7 @@ Definitions (the report states them too):
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from math import comb
@@ -101,9 +102,9 @@ def outcomes(records: Sequence[Record]) -> dict[str, Any]:
 
 
 def _error_class(text: str) -> str:
-    """`ExceptionType: first words` of an error text (for grouping)."""
-    head = (text or "unknown").strip().splitlines()[0] if text else "unknown"
-    return head[:120]
+    """The first line of an error text with numbers as `N` (ids, ports, counts), for grouping."""
+    head = text.strip().splitlines()[0] if text and text.strip() else "unknown"
+    return re.sub(r"\d+", "N", head)[:120]
 
 
 def _tool_rows(calls: Iterable[tuple[str, Record]]) -> dict[str, dict[str, Any]]:

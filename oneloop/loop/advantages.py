@@ -84,3 +84,20 @@ def logprob_gap(
         "train/logprob_gap_max": float(np.abs(delta).max()),
         "train/kl_sample_train": kl,
     }
+
+
+def logprob_gap_per_datum(
+    datums: list[types.Datum], masks: list[np.ndarray], output: types.ForwardBackwardOutput
+) -> list[dict[str, float]]:
+    """Per datum (same order): mean and max |trainer − sampler| logprob on its sampled tokens."""
+    gaps = []
+    for datum, mask, out in zip(datums, masks, output.loss_fn_outputs, strict=True):
+        trainer = out["logprobs"].to_numpy().astype(np.float64)[mask]
+        sampler = datum.loss_fn_inputs["logprobs"].to_numpy().astype(np.float64)[mask]
+        delta = np.abs(trainer - sampler)
+        gaps.append({
+            "gap_mean": float(delta.mean()) if delta.size else 0.0,
+            "gap_max": float(delta.max()) if delta.size else 0.0,
+            "tokens": float(delta.size),
+        })  # fmt: skip
+    return gaps

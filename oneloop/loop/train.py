@@ -23,7 +23,12 @@ from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate
 from oneloop.agents.providers import preflight_environment
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
 from oneloop.backends import capabilities, connect
-from oneloop.loop.advantages import ScoredGroup, build_datums, logprob_gap
+from oneloop.loop.advantages import (
+    ScoredGroup,
+    build_datums,
+    logprob_gap,
+    logprob_gap_per_datum,
+)
 from oneloop.loop.checkpoints import LoopState, append_checkpoint, last_checkpoint
 from oneloop.loop.config import TrainConfig
 from oneloop.loop.data import TaskSource
@@ -302,7 +307,7 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
             groups = await pool.take(algo.groups_per_step, cfg.timeouts.wait_for_rollouts_s)
             waited = time.monotonic() - started
             staleness = gate.consume(len(groups), [g.version for g in groups])
-            metrics = await train_step(run, sorted(groups, key=lambda g: g.sample_id))
+            metrics = await train_step(run, sorted(groups, key=lambda g: g.sample_id), step + 1)
             source.mark_consumed([g.sample_id for g in groups])
             synced = time.monotonic()
             sampler = await publish(run)
@@ -329,7 +334,9 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
     return summary
 
 
-async def train_step(run: Run, groups: list[ScoredGroup]) -> dict[str, float]:
+async def train_step(
+    run: Run, groups: list[ScoredGroup], step: int | None = None
+) -> dict[str, float]:
     """forward_backward and optim_step submitted back to back, then awaited (bounded)."""
     cfg, algo = run.cfg, run.cfg.algo
     datums, masks = build_datums(groups, algo.reduction, algo.std_normalize)
@@ -355,6 +362,7 @@ async def train_step(run: Run, groups: list[ScoredGroup]) -> dict[str, float]:
     metrics.update(logprob_gap(datums, masks, output))
     rewards = [r for g in groups for r in g.rewards]
     metrics["train/reward_mean"] = sum(rewards) / len(rewards)
+    _write_gaps(run, step, groups, logprob_gap_per_datum(datums, masks, output))
     _write_trajectories(run, groups)
     return metrics
 
@@ -380,6 +388,28 @@ async def checkpoint(run: Run, step: int, source: TaskSource) -> None:
     )
     append_checkpoint(run.cfg.run_dir, run.state)
     write_plots(run.cfg.run_dir)
+
+
+def _write_gaps(
+    run: Run, step: int | None, groups: list[ScoredGroup], gaps: list[dict[str, float]]
+) -> None:
+    """One `logprob_gaps.jsonl` row per trained trajectory (datums are in group order); `digest`
+    (its first sampled segment's) finds the trajectory among the Harbor trials (`oneloop
+    inspect`)."""
+    rows = [
+        (group, index, trajectory, reward)
+        for group in groups
+        for index, (trajectory, reward) in enumerate(
+            zip(group.trajectories, group.rewards, strict=True)
+        )
+    ]
+    with (run.cfg.run_dir / "logprob_gaps.jsonl").open("a") as handle:
+        for (group, index, trajectory, reward), gap in zip(rows, gaps, strict=True):
+            sampled = trajectory.sampled_segments
+            row = {"step": step, "sample_id": group.sample_id, "task": group.task}
+            row |= {"version": group.version, "index": index, "reward": reward, **gap}
+            row["digest"] = sampled[0].digest if sampled else None
+            handle.write(json.dumps(row) + "\n")
 
 
 def _write_trajectories(run: Run, groups: list[ScoredGroup]) -> None:
