@@ -40,6 +40,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 from .proto_data import decode_data
 from .wire import WireError
 
+_WIRE_DTYPES = (np.dtype(np.float32), np.dtype(np.int64))
 _PB_OF_NAME = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 # `custom` needs a loss uploaded through create_custom_loss, which this server does not offer.
@@ -130,8 +131,9 @@ def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:
 def _check_same_fields(
     outputs: list[dict[str, types.TensorData]], names: list[str]
 ) -> list[dict[str, types.TensorData]]:
+    keys = set(names)
     for i, datum in enumerate(outputs):
-        if sorted(datum) != names:
+        if datum.keys() != keys:
             raise ValueError(
                 f"loss_fn_outputs[{i}] has fields {sorted(datum)}, loss_fn_outputs[0] has {names}:"
                 " the protobuf result needs the same fields for every datum"
@@ -140,7 +142,10 @@ def _check_same_fields(
 
 
 def _dense(td: types.TensorData) -> np.ndarray:
-    arr = np.ascontiguousarray(td.to_numpy())
+    arr = td.to_numpy()
+    if arr.dtype in _WIRE_DTYPES and arr.ndim == 1 and arr.flags.c_contiguous:
+        return arr  # the usual case: a 1-D float32 / int64 array goes as it is
+    arr = np.ascontiguousarray(arr)
     if arr.ndim == 0:
         arr = arr.reshape(1)
     return arr.astype(np.int64 if arr.dtype.kind in "iub" else np.float32, copy=False)
