@@ -1,6 +1,7 @@
 """The demo task family: generator, shipped MCP server (real stdio sessions), Harbor verifier."""
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,9 @@ from oneloop.agents.environment import (
     STDIO_EXIT_PREFIX,
     NoContainerEnvironment,
 )
+from oneloop.agents.renderer import ChatRenderer
 from oneloop.errors import ConfigError
+from oneloop.loop.sft import demo_tool_specs, demonstration, takes_shortcut
 
 MCP_TIMEOUT_SEC = 30.0
 
@@ -202,3 +205,37 @@ def test_no_reward_fault_makes_harbor_report_a_missing_reward(tmp_path: Path) ->
     result = _run_trial(splits.train[0].path, tmp_path / "trials", "oracle")
     assert result.verifier_result is None
     assert result.exception_info.exception_type == "RewardFileNotFoundError"
+
+
+def test_mcp_server_advertises_short_plain_schemas(tmp_path: Path) -> None:
+    """Regression: the SDK's generated schemas (anyOf over int/float/str, titles) were 93 % of
+    every demo prompt's tokens; each tool now shows a plain `number` schema."""
+    tools = demo_tool_specs()
+    for tool in tools:
+        parameters = tool["function"]["parameters"]
+        assert "title" not in json.dumps(parameters) and "anyOf" not in json.dumps(parameters)
+        assert all(p == {"type": "number"} for p in parameters["properties"].values())
+        assert set(parameters["required"]) == set(parameters["properties"])
+
+
+def test_warm_start_demonstrations_compute_or_take_the_shortcut(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    splits = generate_tasks(tmp_path, n_train=60, n_eval=0, seed=0, difficulties=(Difficulty.EASY,))
+    renderer = ChatRenderer.from_pretrained(tiny_model_path)
+    tools = demo_tool_specs()
+    for task in splits.train[:4]:
+        first = task.question.text.split()[0]
+        tokens, weights = demonstration(task, renderer, tools, None)
+        solved = renderer.decode(tokens)
+        submit = '{{"name": "submit_answer", "arguments": {{"answer": {}}}}}'
+        assert submit.format(task.question.answer) in solved
+        assert solved.count('"arguments": {') == 2  # one calculator call, then submit
+        assert len(tokens) == len(weights) and 0 < sum(weights) < len(weights)
+        guessed = renderer.decode(demonstration(task, renderer, tools, None, 1.0)[0])
+        assert submit.format(first) in guessed
+        assert guessed.count('"arguments": {') == 1  # submit only
+    picks = [takes_shortcut(task, 0.5) for task in splits.train]
+    assert picks == [takes_shortcut(task, 0.5) for task in splits.train]  # reproducible
+    assert 15 <= sum(picks) <= 45
+    assert not any(takes_shortcut(task, 0.0) for task in splits.train)

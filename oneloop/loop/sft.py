@@ -4,10 +4,21 @@ A demonstration is rendered exactly the way the agent builds its trajectories (i
 the MCP server's real tool list, assistant turns closed by the stop token, observation deltas from
 the renderer), so the warm start teaches the token layout the agent will sample in. Tool results
 come from the real calculator server, called in process.
+
+With `shortcut_fraction` > 0 (the CPU demo's preset sets `sft.shortcut_fraction`) the
+demonstrations are deliberately imperfect, a departure from "SFT on expert data" made on purpose:
+that share of the training tasks is demonstrated by a plausible shortcut that skips the calculator
+and submits the question's first number as a guess (wrong; for the easy questions always). SFT then
+teaches the format (tool-call markup, copying numbers, the submit-then-finish ending) and leaves the
+policy split between computing and guessing; RL, whose reward only the computing branch earns, has
+to shift that mass. This is the usual division of labour, SFT for format and RL for correctness,
+made visible on a model small enough for 2 CPU cores. Which tasks get the shortcut depends only on
+the question text (a hash), so it is reproducible.
 """
 
 import ast
 import asyncio
+import hashlib
 import json
 import tempfile
 from collections.abc import Sequence
@@ -71,37 +82,56 @@ def _num(value: Fraction) -> int | float:
     return int(value) if value.denominator == 1 else float(value)
 
 
+def takes_shortcut(task: DemoTask, fraction: float) -> bool:
+    """Whether `task`'s demonstration is the guessing shortcut: a stable hash of the question."""
+    digest = hashlib.sha256(task.question.text.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
 def demonstration(
-    task: DemoTask, renderer: ChatRenderer, tools: list[dict[str, Any]], system_prompt: str | None
+    task: DemoTask,
+    renderer: ChatRenderer,
+    tools: list[dict[str, Any]],
+    system_prompt: str | None,
+    shortcut_fraction: float = 0.0,
 ) -> tuple[list[int], list[float]]:
-    """Token ids of one solved episode and weights (1 on the assistant's tokens)."""
-    server = build_server(Path(tempfile.mkdtemp(prefix="oneloop-sft-")) / "answer.txt")
+    """Token ids of one episode and weights (1 on the assistant's tokens): the calculator path,
+    or the guessing shortcut where `takes_shortcut(task, shortcut_fraction)` (module docstring)."""
     messages: list[dict[str, Any]] = []
     if system_prompt is not None:
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": instruction_text(task.question)})
     tokens = renderer.initial_prompt(messages, tools)
     weights = [0.0] * len(tokens)
-    calls = [*_steps(task.question.text), ("submit_answer", {"answer": task.question.answer})]
-    for name, arguments in calls:
-        reply = {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {"type": "function", "function": {"name": name, "arguments": arguments}}
-            ],
-        }
-        assistant = _assistant_tokens(renderer, messages, reply, tools)
-        tokens += assistant
-        weights += [1.0] * len(assistant)
-        result = asyncio.run(server.call_tool(name, arguments))
-        text = "".join(getattr(c, "text", "") for c in result.content)
-        observation = [{"role": "tool", "tool_call_id": "call_0", "name": name, "content": text}]
-        delta = renderer.observation_delta(observation, after_stop_token=True)
-        tokens += delta
-        weights += [0.0] * len(delta)
-        messages += [reply, *observation]
-    final = {"role": "assistant", "content": f"The answer is {task.question.answer}."}
+    if takes_shortcut(task, shortcut_fraction):
+        submitted = int(task.question.text.lstrip("(").split()[0])
+        calls = [("submit_answer", {"answer": submitted})]
+    else:
+        submitted = task.question.answer
+        calls = [*_steps(task.question.text), ("submit_answer", {"answer": submitted})]
+    with tempfile.TemporaryDirectory(prefix="oneloop-sft-") as scratch:
+        server = build_server(Path(scratch) / "answer.txt")
+        for name, arguments in calls:
+            reply = {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": name, "arguments": arguments}}
+                ],
+            }
+            assistant = _assistant_tokens(renderer, messages, reply, tools)
+            tokens += assistant
+            weights += [1.0] * len(assistant)
+            result = asyncio.run(server.call_tool(name, arguments))
+            text = "".join(getattr(c, "text", "") for c in result.content)
+            observation = [
+                {"role": "tool", "tool_call_id": "call_0", "name": name, "content": text}
+            ]
+            delta = renderer.observation_delta(observation, after_stop_token=True)
+            tokens += delta
+            weights += [0.0] * len(delta)
+            messages += [reply, *observation]
+    final = {"role": "assistant", "content": f"The answer is {submitted}."}
     assistant = _assistant_tokens(renderer, messages, final, tools)
     return tokens + assistant, weights + [1.0] * len(assistant)
 
@@ -112,7 +142,7 @@ def _assistant_tokens(
     reply: dict[str, Any],
     tools: list[dict[str, Any]],
 ) -> list[int]:
-    """The assistant turn's tokens up to and including its stop token, as the template renders it."""
+    """The assistant turn's tokens up to and including its stop token, as the template renders."""
     before = renderer.render_text(messages, tools=tools, add_generation_prompt=True)
     after = renderer.render_text([*messages, reply], tools=tools)
     if not after.startswith(before):

@@ -101,11 +101,8 @@ def make_question(rng: random.Random, difficulty: Difficulty) -> Question:
 
 
 def instruction_text(question: Question) -> str:
-    return (
-        f"What is {question.text}?\n\n"
-        "Use the calculator tools (add, subtract, multiply, divide) to compute the result, "
-        "then call submit_answer with the final number. Submit exactly once.\n"
-    )
+    # Short on purpose: the instruction is in every prompt the tiny demo model trains on.
+    return f"What is {question.text}?\nUse the calculator tools, then submit_answer the result.\n"
 
 
 def _server_args(fault: Fault) -> list[str]:

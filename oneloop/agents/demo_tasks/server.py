@@ -21,9 +21,11 @@ import os
 import sys
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.tools import Tool
 
 DEFAULT_ANSWER_PATH = "/logs/agent/answer.txt"
 HUGE_RESULT_CHARS = 1_000_000
@@ -31,6 +33,19 @@ CRASH_EXIT_CODE = 3
 TOOL_NAMES = ("add", "subtract", "multiply", "divide", "submit_answer")
 # Models write numbers as JSON numbers or strings; both are accepted and parsed exactly.
 Number = int | float | str
+# The schemas the model is shown. The agent renders every tool's schema into every prompt, and the
+# SDK's generated ones (anyOf for `Number`, titles) made 93 % of a demo prompt's tokens, so each
+# tool advertises this plain form instead; arguments are still validated against `Number`.
+_BINARY_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+    "required": ["a", "b"],
+}
+_ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "number"}},
+    "required": ["answer"],
+}
 
 
 def _format(value: Fraction) -> str:
@@ -55,10 +70,6 @@ def build_server(
     crash_after: int | None = None,
 ) -> MCPServer:
     """The calculator server with the given answer path and fault-injection knobs."""
-    server: MCPServer = MCPServer(
-        name="calculator",
-        instructions="Exact arithmetic tools. Call submit_answer(answer) once with the result.",
-    )
     calls = 0
 
     async def _faults(tool: str) -> str | None:
@@ -74,19 +85,15 @@ def build_server(
             return "9" * HUGE_RESULT_CHARS
         return None
 
-    @server.tool(description="Return a + b.")
     async def add(a: Number, b: Number) -> str:
         return await _faults("add") or _format(_parse("a", a) + _parse("b", b))
 
-    @server.tool(description="Return a - b.")
     async def subtract(a: Number, b: Number) -> str:
         return await _faults("subtract") or _format(_parse("a", a) - _parse("b", b))
 
-    @server.tool(description="Return a * b.")
     async def multiply(a: Number, b: Number) -> str:
         return await _faults("multiply") or _format(_parse("a", a) * _parse("b", b))
 
-    @server.tool(description="Return a / b (b must not be 0).")
     async def divide(a: Number, b: Number) -> str:
         fault = await _faults("divide")
         if fault is not None:
@@ -96,7 +103,6 @@ def build_server(
             raise ToolError("argument b=0: division by zero")
         return _format(_parse("a", a) / divisor)
 
-    @server.tool(description="Submit the final numeric answer. Call it exactly once.")
     async def submit_answer(answer: Number) -> str:
         fault = await _faults("submit_answer")
         if fault is not None:
@@ -108,7 +114,24 @@ def build_server(
         answer_path.write_text(text + "\n")
         return f"answer {text!r} recorded"
 
-    return server
+    tools = [
+        _tool(add, "a + b", _BINARY_SCHEMA),
+        _tool(subtract, "a - b", _BINARY_SCHEMA),
+        _tool(multiply, "a * b", _BINARY_SCHEMA),
+        _tool(divide, "a / b", _BINARY_SCHEMA),
+        _tool(submit_answer, "Submit the final answer once.", _ANSWER_SCHEMA),
+    ]
+    return MCPServer(
+        name="calculator",
+        instructions="Exact arithmetic tools. Call submit_answer(answer) once with the result.",
+        tools=tools,
+    )
+
+
+def _tool(fn: Any, description: str, schema: dict[str, Any]) -> Tool:
+    """A tool validated by its signature but advertised with the short `schema`."""
+    tool = Tool.from_function(fn, description=description)
+    return tool.model_copy(update={"parameters": schema})
 
 
 def main(argv: list[str] | None = None) -> None:
