@@ -87,7 +87,7 @@ def main() -> None:
     attn = 6 * cfg.num_hidden_layers * args.seq * cfg.num_attention_heads * cfg.head_dim
     flops_per_token = 6 * n_params + attn
     data = make_batch(args.batch, args.seq)
-    budget = args.batch * args.seq
+    budget = args.seq * 2  # two sequences per micro-batch: fp32 logits of 4 × 4096 × 152k OOM
     results = {"shape": args.shape, "params": n_params, "seq": args.seq}
 
     from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine

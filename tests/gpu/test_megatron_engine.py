@@ -62,10 +62,12 @@ def test_megatron_matches_torch_engine(engines) -> None:
             "loss_megatron": a.loss,
             "loss_torch": b.loss,
             "loss_rel_diff": abs(a.loss - b.loss) / abs(b.loss),
+            # importance_sampling sums terms of both signs: compare per token, not relatively
+            "loss_abs_diff_per_token": abs(a.loss - b.loss) / sum(len(d.tokens) for d in data),
             "logprob_abs_diff_mean": float(gaps.mean()),
             "logprob_abs_diff_max": float(gaps.max()),
         }
-        assert figures[loss]["loss_rel_diff"] < 0.01
+        assert figures[loss]["loss_abs_diff_per_token"] < 0.01
         assert figures[loss]["logprob_abs_diff_mean"] < 0.02
     step_m, step_t = mega.optim_step(ADAM), ref.optim_step(ADAM)
     after_m = {k: v.float() for k, v in mega.hf_weights().items()}
@@ -94,6 +96,8 @@ def test_megatron_matches_torch_engine(engines) -> None:
 def test_save_and_load_state_restores_weights_and_optimizer(engines, tmp_path) -> None:
     mega, _ = engines
     data = batch(2, "cross_entropy")
+    mega.forward_backward(batch(3, "cross_entropy"), "cross_entropy", None, forward_only=False)
+    mega.optim_step(ADAM)  # the checkpoint then carries Adam moments and fp32 main params
     mega.save_state(tmp_path / "ckpt", with_optimizer=True)
     expected = mega.forward_backward(data, "cross_entropy", None, forward_only=False)
     mega.optim_step(ADAM)

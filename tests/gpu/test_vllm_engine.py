@@ -30,6 +30,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 VOCAB = 151936
 MEAN_ABS_TOLERANCE = 0.01  # bf16 vLLM vs bf16 transformers; measured 0.008–0.011 on the device
+# Perturbed weights give larger logits, and the bf16 gap grows with them: measured 0.0075 before
+# and 0.0116 after `perturb_` with identical engines (weights that did not arrive differ by ~1+).
+PERTURBED_TOLERANCE = 0.015
 IN_FLIGHT = 32
 IN_FLIGHT_TOKENS = 512
 FIGURES: dict = {}
@@ -220,7 +223,7 @@ def test_in_flight_sync_reference_then_ipc(engine, hf_model) -> None:
     perturb_(hf_model, seed=1)
     FIGURES["sync_reference"] = run_in_flight_sync(engine, key, 2, hf_state(hf_model))
     after = compare_to_hf(engine, hf_model, key, "vllm_vs_hf_v2_after_reference_sync")
-    assert before["mean_abs"] <= MEAN_ABS_TOLERANCE and after["mean_abs"] <= MEAN_ABS_TOLERANCE
+    assert before["mean_abs"] <= MEAN_ABS_TOLERANCE and after["mean_abs"] <= PERTURBED_TOLERANCE
 
     # fast path: one CUDA buffer in vLLM's layout, shared over IPC, copied into the parameters
     perturb_(hf_model, seed=2)
@@ -229,7 +232,7 @@ def test_in_flight_sync_reference_then_ipc(engine, hf_model) -> None:
     FIGURES["sync_ipc"] = run_in_flight_sync(engine, key, 3, ipc)
     del buffer
     after_ipc = compare_to_hf(engine, hf_model, key, "vllm_vs_hf_v3_after_ipc_sync")
-    assert after_ipc["mean_abs"] <= MEAN_ABS_TOLERANCE
+    assert after_ipc["mean_abs"] <= PERTURBED_TOLERANCE
     # the engine's weights are the packed ones, exactly
     expected = [t.double() for _, t in _layout_tensors(hf_model, engine)]
     total, absolute = engine.weights_checksum()

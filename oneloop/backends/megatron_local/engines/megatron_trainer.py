@@ -46,7 +46,6 @@ from oneloop.backends.megatron_local.engines.torch_trainer import pack_microbatc
 
 WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable HF model
 OPTIMIZER_FILE = "optimizer.pt"
-OPTIMIZER_PARAMS_FILE = "optimizer_params.pt"
 ENGINE_STATE_FILE = "engine.json"
 NO_CLIP = 1e30  # clip_grad this large never clips but makes Megatron report the grad norm
 
@@ -375,23 +374,41 @@ class MegatronTrainerEngine(TrainerEngine):
         if self.shape.tied:
             weights.pop("lm_head.weight")
         save_file(weights, str(directory / WEIGHTS_FILE))
-        if with_optimizer:
-            torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
-            if hasattr(self.optimizer, "save_parameter_state"):
-                self.optimizer.save_parameter_state(str(directory / OPTIMIZER_PARAMS_FILE))
+        if with_optimizer and self.steps > 0:  # before the first step there is no state to save
+            torch.save(self._optimizer_state(), directory / OPTIMIZER_FILE)
         (directory / ENGINE_STATE_FILE).write_text(json.dumps({"steps": self.steps}))
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
         self._import_hf(load_file(str(directory / WEIGHTS_FILE)))
         # The optimizer's fp32 main params must follow the imported weights.
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for optimizer in self._optimizers():
             if hasattr(optimizer, "reload_model_params"):
                 optimizer.reload_model_params()
         self.steps = json.loads((directory / ENGINE_STATE_FILE).read_text())["steps"]
-        if with_optimizer and (directory / OPTIMIZER_FILE).is_file():
-            self.optimizer.load_state_dict(
-                torch.load(directory / OPTIMIZER_FILE, weights_only=False)
-            )
-            params_file = directory / OPTIMIZER_PARAMS_FILE
-            if params_file.is_file() and hasattr(self.optimizer, "load_parameter_state"):
-                self.optimizer.load_parameter_state(str(params_file))
+        inners = [o.optimizer for o in self._optimizers()]
+        if with_optimizer and not (directory / OPTIMIZER_FILE).is_file():
+            for inner in inners:
+                inner.state.clear()  # saved before any step: fresh moments
+        elif with_optimizer:
+            saved = torch.load(directory / OPTIMIZER_FILE, weights_only=False)
+            for inner, state in zip(inners, saved, strict=True):
+                inner.load_state_dict(state["optimizer"])
+                mains = [p for group in inner.param_groups for p in group["params"]]
+                with torch.no_grad():
+                    for main, value in zip(mains, state["main_params"], strict=True):
+                        main.copy_(value.to(main.device))
+
+    def _optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _optimizer_state(self) -> list[dict]:
+        """Per (chained) optimizer: the inner torch AdamW state and the fp32 main params.
+
+        Saved directly rather than through Megatron's dp-zero gather: this engine is one rank, and
+        the main params keep the fp32 precision the bf16 weights file cannot hold."""
+        state = []
+        for optimizer in self._optimizers():
+            inner = optimizer.optimizer
+            mains = [p.detach().cpu() for group in inner.param_groups for p in group["params"]]
+            state.append({"optimizer": inner.state_dict(), "main_params": mains})
+        return state
