@@ -98,6 +98,7 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory) -> Non
     group = sampler.sample(types.ModelInput.from_ints(prompt), 8, params).result()
     gap = logprob_gap(trainer, prompt, group.sequences)
     figures["gap_after_sft"] = {"mean": float(gap.mean()), "max": float(gap.max())}
+    record("local_gpu_backend", figures)  # recorded as it goes: a later failure keeps these
 
     # RL step on the sampled group (group-relative advantages of a made-up reward).
     rewards = np.array([len(set(s.tokens)) for s in group.sequences], np.float32)
@@ -143,6 +144,7 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory) -> Non
     after = synced.sample(types.ModelInput.from_ints(prompt), 8, params).result()
     gap = logprob_gap(trainer, prompt, after.sequences)
     figures["gap_after_inflight_sync"] = {"mean": float(gap.mean()), "max": float(gap.max())}
+    record("local_gpu_backend", figures)
     saved = trainer.save_state("final").result()
     figures["saved"] = saved.path
     record("local_gpu_backend", figures)
