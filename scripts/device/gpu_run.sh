@@ -6,6 +6,7 @@
 #   setup1    carry [".w1"]          megatron-core; stash the first half of the vLLM wheel
 #   setup2    carry [".w2"]          vLLM (repacked, no flash-attn .so) + its missing deps
 #   setup3    carry [".w3", ".w4"]   Ray; tinker SDK + deps; random Qwen3 0.6B / 1.7B shapes
+#   setup_moe carry [".w5"]          optional: vLLM's MoE kernels (scripts/device/prepare_moe_part.sh)
 #   megatron                         megatron-vs-torch parity test, save/load test, MFU bench
 #   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
 #   e2e                              the whole local backend on Ray (megatron + vllm, CUDA IPC)
@@ -39,6 +40,9 @@ case "$stage" in
     python3 scripts/device/build_random_qwen3.py --shape 0.6b --out /tmp/models/qwen3-0.6b
     python3 scripts/device/build_random_qwen3.py --shape 1.7b --out /tmp/models/qwen3-1.7b
     python3 -c "import ray, tinker, megatron.core; print('ray', ray.__version__, 'tinker', tinker.__version__)" ;;
+  setup_moe)   # carry [".w5"] (scripts/device/prepare_moe_part.sh): vLLM's MoE kernels
+    xz -dc .w5/_moe_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
+    python3 -c "import vllm._moe_C_stable_libtorch" 2>&1 | tail -1 ;;
   megatron)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_train.py --model-dir /tmp/models 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
