@@ -27,7 +27,7 @@ from oneloop.agents.environment import (
 )
 from oneloop.agents.renderer import ChatRenderer
 from oneloop.errors import ConfigError
-from oneloop.loop.sft import demo_tool_specs, demonstration, takes_shortcut
+from oneloop.loop.sft import demo_tool_specs, demonstration, takes_wrong_tool
 
 MCP_TIMEOUT_SEC = 30.0
 
@@ -218,24 +218,37 @@ def test_mcp_server_advertises_short_plain_schemas(tmp_path: Path) -> None:
         assert set(parameters["required"]) == set(parameters["properties"])
 
 
-def test_warm_start_demonstrations_compute_or_take_the_shortcut(
+ALL = {"+": 1.0, "-": 1.0, "*": 1.0, "/": 1.0}
+INVERSE = {"+": ("add", "subtract"), "-": ("subtract", "add"), "*": ("multiply", "divide"),
+           "/": ("divide", "multiply")}  # fmt: skip
+
+
+def test_warm_start_demonstrations_use_the_right_or_the_inverse_tool(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
     splits = generate_tasks(tmp_path, n_train=60, n_eval=0, seed=0, difficulties=(Difficulty.EASY,))
     renderer = ChatRenderer.from_pretrained(tiny_model_path)
     tools = demo_tool_specs()
-    for task in splits.train[:4]:
-        first = task.question.text.split()[0]
+    call = '{{"name": "{}", "arguments": {{"a": {}, "b": {}}}}}'
+    submit = '{{"name": "submit_answer", "arguments": {{"answer": {}}}}}'
+    for task in splits.train[:8]:
+        a, op, b = task.question.text.split()
+        right, wrong = INVERSE[op]
         tokens, weights = demonstration(task, renderer, tools, None)
         solved = renderer.decode(tokens)
-        submit = '{{"name": "submit_answer", "arguments": {{"answer": {}}}}}'
+        assert call.format(right, a, b) in solved
         assert submit.format(task.question.answer) in solved
-        assert solved.count('"arguments": {') == 2  # one calculator call, then submit
         assert len(tokens) == len(weights) and 0 < sum(weights) < len(weights)
-        guessed = renderer.decode(demonstration(task, renderer, tools, None, 1.0)[0])
-        assert submit.format(first) in guessed
-        assert guessed.count('"arguments": {') == 1  # submit only
-    picks = [takes_shortcut(task, 0.5) for task in splits.train]
-    assert picks == [takes_shortcut(task, 0.5) for task in splits.train]  # reproducible
-    assert 15 <= sum(picks) <= 45
-    assert not any(takes_shortcut(task, 0.0) for task in splits.train)
+        mistaken = renderer.decode(demonstration(task, renderer, tools, None, ALL)[0])
+        assert call.format(wrong, a, b) in mistaken and call.format(right, a, b) not in mistaken
+        # The wrong tool's real result is submitted: an independent oracle, Python's arithmetic.
+        other = {"+": "-", "-": "+", "*": "/", "/": "*"}[op]
+        wrong_value = eval(f"{a} {other} {b}")  # noqa: S307
+        wrong_value = int(wrong_value) if wrong_value == int(wrong_value) else wrong_value
+        assert submit.format(wrong_value) in mistaken and wrong_value != task.question.answer
+    half_minus = {"-": 0.5}
+    picks = [takes_wrong_tool(task, half_minus) for task in splits.train]
+    assert picks == [takes_wrong_tool(task, half_minus) for task in splits.train]  # reproducible
+    minus = [p for p, t in zip(picks, splits.train, strict=True) if " - " in t.question.text]
+    assert sum(picks) == sum(minus) and 0.25 * len(minus) <= sum(minus) <= 0.75 * len(minus)
+    assert not any(takes_wrong_tool(task, {}) for task in splits.train)

@@ -7,7 +7,7 @@ sub-config is set (`sft`, `eval`, `checkpoint`). The same file runs on both back
 """
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -132,6 +132,9 @@ class SftConfig(_Strict):
     """Demonstrations per step (count)."""
     learning_rate: float = Field(default=3e-3, gt=0)
     """AdamW learning rate of the warm start."""
+    wrong_tool_fraction: dict[Literal["+", "-", "*", "/"], Annotated[float, Field(ge=0, le=1)]] = {}
+    """Share of demonstrations, by the question's last operator, that call the inverse tool
+    (deliberately imperfect SFT for RL to correct; see `oneloop.loop.sft`); {} = none."""
 
 
 class EvalConfig(_Strict):

@@ -5,15 +5,16 @@ the MCP server's real tool list, assistant turns closed by the stop token, obser
 the renderer), so the warm start teaches the token layout the agent will sample in. Tool results
 come from the real calculator server, called in process.
 
-With `shortcut_fraction` > 0 (the CPU demo's preset sets `sft.shortcut_fraction`) the
+With `wrong_tool_fraction` set (the CPU demo's preset sets `sft.wrong_tool_fraction`) the
 demonstrations are deliberately imperfect, a departure from "SFT on expert data" made on purpose:
-that share of the training tasks is demonstrated by a plausible shortcut that skips the calculator
-and submits the question's first number as a guess (wrong; for the easy questions always). SFT then
-teaches the format (tool-call markup, copying numbers, the submit-then-finish ending) and leaves the
-policy split between computing and guessing; RL, whose reward only the computing branch earns, has
-to shift that mass. This is the usual division of labour, SFT for format and RL for correctness,
-made visible on a model small enough for 2 CPU cores. Which tasks get the shortcut depends only on
-the question text (a hash), so it is reproducible.
+that share of the training tasks, by the question's last operator, is demonstrated with a plausible
+mistake, the inverse tool for the last operation (`add` for `-`, `multiply` for `/`, and back),
+whose result is then submitted (wrong; for the easy questions always). Every demonstration still
+copies the numbers, calls a tool and submits its result, so SFT teaches the whole format; what it
+leaves uncertain is the choice of tool, and greedy decoding picks the demonstrated majority. RL,
+whose reward only the right tool earns, has to shift that choice: the usual division of labour,
+SFT for format and RL for correctness, made visible on a model small enough for 2 CPU cores.
+Which tasks get the mistake depends only on the question text (a hash), so it is reproducible.
 """
 
 import ast
@@ -21,7 +22,7 @@ import asyncio
 import hashlib
 import json
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from oneloop.agents.demo_tasks.server import build_server
 from oneloop.agents.renderer import ChatRenderer
 
 _TOOLS = {ast.Add: "add", ast.Sub: "subtract", ast.Mult: "multiply", ast.Div: "divide"}
+# The plausible wrong tool of each operation: its inverse.
+INVERSE_TOOL = {"add": "subtract", "subtract": "add", "multiply": "divide", "divide": "multiply"}
 
 
 def demo_tool_specs() -> list[dict[str, Any]]:
@@ -53,9 +56,11 @@ def demo_tool_specs() -> list[dict[str, Any]]:
     ]
 
 
-def _steps(expression: str) -> list[tuple[str, dict[str, Any]]]:
-    """Tool calls that evaluate `expression` innermost first: [(tool, {"a": .., "b": ..})]."""
+def _steps(expression: str, wrong_last: bool = False) -> tuple[list[tuple[str, Any]], Fraction]:
+    """Tool calls that evaluate `expression` innermost first, [(tool, {"a": .., "b": ..})], and
+    the value they give; with `wrong_last` the last call uses `INVERSE_TOOL` of the right one."""
     calls: list[tuple[str, dict[str, Any]]] = []
+    root = ast.parse(expression, mode="eval").body
 
     def visit(node: ast.expr) -> Fraction:
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
@@ -64,28 +69,33 @@ def _steps(expression: str) -> list[tuple[str, dict[str, Any]]]:
             return -visit(node.operand)
         if isinstance(node, ast.BinOp) and type(node.op) in _TOOLS:
             a, b = visit(node.left), visit(node.right)
-            calls.append((_TOOLS[type(node.op)], {"a": _num(a), "b": _num(b)}))
+            tool = _TOOLS[type(node.op)]
+            if wrong_last and node is root:
+                tool = INVERSE_TOOL[tool]
+            calls.append((tool, {"a": _num(a), "b": _num(b)}))
             ops = {
                 "add": a + b,
                 "subtract": a - b,
                 "multiply": a * b,
                 "divide": a / b if b else Fraction(0),
             }
-            return ops[calls[-1][0]]
+            return ops[tool]
         raise ValueError(f"not a demo expression: {ast.dump(node)}")
 
-    visit(ast.parse(expression, mode="eval").body)
-    return calls
+    value = visit(root)
+    return calls, value
 
 
 def _num(value: Fraction) -> int | float:
     return int(value) if value.denominator == 1 else float(value)
 
 
-def takes_shortcut(task: DemoTask, fraction: float) -> bool:
-    """Whether `task`'s demonstration is the guessing shortcut: a stable hash of the question."""
+def takes_wrong_tool(task: DemoTask, fractions: Mapping[str, float]) -> bool:
+    """Whether `task`'s demonstration makes the wrong-tool mistake: a stable hash of the question
+    below the fraction of its last operator (`fractions`: operator → share, absent = 0)."""
+    operator = task.question.text.split()[-2]
     digest = hashlib.sha256(task.question.text.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+    return int.from_bytes(digest[:8], "big") / 2**64 < fractions.get(operator, 0.0)
 
 
 def demonstration(
@@ -93,22 +103,19 @@ def demonstration(
     renderer: ChatRenderer,
     tools: list[dict[str, Any]],
     system_prompt: str | None,
-    shortcut_fraction: float = 0.0,
+    wrong_tool_fraction: Mapping[str, float] | None = None,
 ) -> tuple[list[int], list[float]]:
     """Token ids of one episode and weights (1 on the assistant's tokens): the calculator path,
-    or the guessing shortcut where `takes_shortcut(task, shortcut_fraction)` (module docstring)."""
+    with the wrong last tool where `takes_wrong_tool(task, wrong_tool_fraction)` (module doc)."""
     messages: list[dict[str, Any]] = []
     if system_prompt is not None:
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": instruction_text(task.question)})
     tokens = renderer.initial_prompt(messages, tools)
     weights = [0.0] * len(tokens)
-    if takes_shortcut(task, shortcut_fraction):
-        submitted = int(task.question.text.lstrip("(").split()[0])
-        calls = [("submit_answer", {"answer": submitted})]
-    else:
-        submitted = task.question.answer
-        calls = [*_steps(task.question.text), ("submit_answer", {"answer": submitted})]
+    steps, value = _steps(task.question.text, takes_wrong_tool(task, wrong_tool_fraction or {}))
+    submitted = _num(value)
+    calls = [*steps, ("submit_answer", {"answer": submitted})]
     with tempfile.TemporaryDirectory(prefix="oneloop-sft-") as scratch:
         server = build_server(Path(scratch) / "answer.txt")
         for name, arguments in calls:

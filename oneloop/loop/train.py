@@ -221,7 +221,8 @@ async def warm_start(run: Run) -> dict[str, float]:
     tools = await asyncio.to_thread(demo_tool_specs)
     demos = await asyncio.to_thread(
         lambda: [
-            demonstration(t, renderer, tools, cfg.agent.system_prompt) for t in run.splits.train
+            demonstration(t, renderer, tools, cfg.agent.system_prompt, cfg.sft.wrong_tool_fraction)
+            for t in run.splits.train
         ]
     )  # type: ignore[union-attr]
     losses: list[float] = []
