@@ -99,7 +99,7 @@ def eval_run(local_service, base: Path, name: str) -> tuple[Path, dict]:
     """Run (once per session) one of the named eval runs; returns (run dir, taught info).
 
     `plain`: the taught tasks, k=2 at temperature 1. `faults`: the faulty server tasks in the
-    flaky environment (every other start fails), k=2, greedy, concurrency 2, 3 retries.
+    flaky environment (every other start fails), k=2, greedy, concurrency 2, 4 retries.
     """
     from oneloop.diagnostics.eval_cli import main
 
@@ -119,7 +119,9 @@ def eval_run(local_service, base: Path, name: str) -> tuple[Path, dict]:
             "--samples-per-task", "2", "--concurrency", "2", "--temperature", "0",
             "rollout.environment_import_path=tests.eval_faults:FlakyStartEnvironment",
             f"rollout.environment_kwargs.counter_path={counter}",
-            "rollout.max_infra_retries=3",
+            # Starts alternate fail/succeed and each success ends one of the 4 trajectories, so
+            # one trajectory fails at most 4 times in a row: 4 retries always reach a success.
+            "rollout.max_infra_retries=4",
         ]  # fmt: skip
     assert main(args) == 0
     return run_dir, info

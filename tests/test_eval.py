@@ -170,3 +170,31 @@ def test_injected_faults_are_attributed_to_the_tool_and_to_infrastructure(
     text = (run_dir / "report.md").read_text()
     assert re.search(rf"\| {ERROR_TOOL} \| {len(broken)} \| {len(broken)} \| 0 \| is_error", text)
     assert "**Non-model error rate: 0.5**" in text
+
+
+@pytest.mark.timeout(1200)
+def test_eval_on_the_tinker_backend_through_the_official_sdk(
+    local_service, tmp_path, tmp_path_factory
+):
+    """`--backend tinker`: the SDK's clients against `oneloop serve` (only the URL differs from
+    a hosted Tinker service); the taught checkpoint is sampled by path, greedily."""
+    from eval_support import taught
+
+    from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
+
+    info = taught(local_service, tmp_path_factory.getbasetemp())
+    with ServerThread(ServeConfig(port=0), local_service) as server:
+        code = main([
+            "--backend", "tinker", "--base-url", server.base_url, "--api-key", "tml-loopback",
+            "--model-path", info["checkpoint"], "--run-dir", str(tmp_path / "run"),
+            "--samples-per-task", "1", "--temperature", "0", "--tasks", "1",
+            "model.base_model=oneloop/tiny-qwen3", f"tasks.dir={info['tasks_dir']}", "sft=null",
+            "agent.max_turns=1", "agent.max_tokens_per_turn=40", "logging.console=false",
+        ])  # fmt: skip
+    assert code == 0
+    (record,) = rows(tmp_path / "run")
+    settings = summary(tmp_path / "run")["settings"]
+    assert settings["backend"] == "tinker" and settings["model"] == info["checkpoint"]
+    # The taught first turn is a tool call, sampled through the SDK and executed by the agent.
+    assert record["outcome"] == "ok" and record["turns"] == 1
+    assert [c["status"] for c in record["tool_calls"]] == ["ok"]

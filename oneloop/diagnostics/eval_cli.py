@@ -49,14 +49,17 @@ class EvalOptions:
 
     def __post_init__(self) -> None:
         checks = (
-            ("--concurrency", self.concurrency >= 1),
-            ("--samples-per-task", self.samples_per_task >= 1),
-            ("--tasks", self.n_tasks is None or self.n_tasks >= 1),
-            ("--temperature", self.temperature is None or self.temperature >= 0),
-        )
-        for flag, ok in checks:
+            ("--concurrency", self.concurrency, self.concurrency >= 1, "an integer >= 1"),
+            ("--samples-per-task", self.samples_per_task, self.samples_per_task >= 1,
+             "an integer >= 1"),
+            ("--tasks", self.n_tasks, self.n_tasks is None or self.n_tasks >= 1,
+             "an integer >= 1"),
+            ("--temperature", self.temperature, self.temperature is None or self.temperature >= 0,
+             "a number >= 0"),
+        )  # fmt: skip
+        for flag, value, ok, what in checks:
             if not ok:
-                raise ConfigError(f"{flag}: must be positive (>= 0 for --temperature)")
+                raise ConfigError(f"{flag}: must be {what}, got {value!r}")
         if self.model_path is not None and self.base_model is not None:
             raise ConfigError("--model-path and --base-model: give one, not both")
         if self.model_path is not None and not self.model_path.startswith("tinker://"):
