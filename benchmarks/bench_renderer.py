@@ -5,7 +5,9 @@ and the tool calls: initial prompt (system + tools + user); then `--turns` turns
 `Trajectory.model_input()` → a sampled reply with a tool call (tokens as a sampler returns them)
 → `append_sampled` (prompt check, digest) → `parse_reply` → the tool result of `--tool-chars`
 characters through `neutralize` + `truncate_middle` → `observation_delta` → `append_observation`;
-then `to_datum` (digest re-check) and `json.dumps(to_json())`.
+then `to_datum` (digest re-check) and `json.dumps(to_json())`. With `--agent-context` each turn
+also runs the agent's Harbor accounting (`mcp_agent._fill_context`: token counts, per-turn
+`rollout_details`, `to_json()` into the metadata), as `run_episode`'s `on_turn` does.
 
 A "token" is one token id of a finished trajectory (initial prompt + sampled replies +
 observation deltas), each counted once; throughput = tokens / CPU seconds of this process
@@ -27,10 +29,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harbor.models.agent.context import AgentContext
 from tinker import types
 from transformers import AutoTokenizer
 
-from oneloop.agents.mcp_agent import McpAgentConfig
+from oneloop.agents.mcp_agent import McpAgentConfig, McpToolbox, TurnRecord, _fill_context
 from oneloop.agents.renderer import ChatRenderer
 from oneloop.agents.tito import Trajectory
 from oneloop.agents.tool_parsing import truncate_middle
@@ -79,8 +82,10 @@ def make_inputs(renderer: ChatRenderer, rng: random.Random, turns: int, chars: i
             "results": [tool_result(rng, chars) for _ in range(turns)]}  # fmt: skip
 
 
-def one_trajectory(renderer: ChatRenderer, inputs: dict) -> int:
+def one_trajectory(renderer: ChatRenderer, inputs: dict, agent_context: bool = False) -> int:
     """Everything the agent does per trajectory except sampling and calling tools."""
+    context, turns = AgentContext(), []
+    toolbox = McpToolbox([], config=McpAgentConfig(sampler_key="bench", tokenizer_path="bench"))
     messages = [{"role": "system", "content": "You are a calculator agent."},
                 {"role": "user", "content": inputs["question"]}]  # fmt: skip
     trajectory = Trajectory.start(renderer.initial_prompt(messages, TOOLS))
@@ -88,6 +93,9 @@ def one_trajectory(renderer: ChatRenderer, inputs: dict) -> int:
         prompt = trajectory.model_input()
         trajectory = trajectory.append_sampled(sequence, prompt=prompt)
         tokens = trajectory.segments[-1].tokens
+        if agent_context:
+            turns.append(TurnRecord(prompt.length, 4096, 0.0))
+            _fill_context(context, trajectory, turns, toolbox)
         stopped = renderer.ends_with_stop(tokens)
         parsed = renderer.parse_reply(tokens)
         assert parsed.tool_calls and not parsed.errors
@@ -100,11 +108,13 @@ def one_trajectory(renderer: ChatRenderer, inputs: dict) -> int:
     return trajectory.length
 
 
-def measure(renderer: ChatRenderer, inputs: list[dict]) -> tuple[float, float, int, int]:
+def measure(
+    renderer: ChatRenderer, inputs: list[dict], agent_context: bool
+) -> tuple[float, float, int, int]:
     """One repeat: (renderer+TITO tokens per CPU-s, tokenizer-alone tokens per CPU-s, tokens,
     tool-result tokens)."""
     cpu = time.process_time()
-    tokens = sum(one_trajectory(renderer, one) for one in inputs)
+    tokens = sum(one_trajectory(renderer, one, agent_context) for one in inputs)
     cpu = time.process_time() - cpu
     texts = [truncate_middle(renderer.neutralize(text), MAX_TOOL_CHARS)
              for one in inputs for text in one["results"]]  # fmt: skip
@@ -121,6 +131,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8, help="tool-call turns per trajectory")
     parser.add_argument("--tool-chars", type=int, default=4000, help="characters per tool result")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    parser.add_argument("--agent-context", action="store_true",
+                        help="also run the agent's per-turn Harbor accounting (_fill_context)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
     if args.template == "qwen3":
@@ -133,15 +145,16 @@ def main() -> None:
     ]
     runs = []
     for repeat in range(args.repeats):
-        path, floor, tokens, encoded = measure(renderer, inputs)
+        path, floor, tokens, encoded = measure(renderer, inputs, args.agent_context)
         runs.append((path, floor))
         print(f"repeat {repeat}: renderer+TITO {path / 1e6:.2f} M tokens/CPU-s, "
               f"tokenizer alone {floor / 1e6:.2f} M tokens/CPU-s")  # fmt: skip
     path = statistics.median(r[0] for r in runs)
     floor = statistics.median(r[1] for r in runs)
     ratio = statistics.median(r[0] / r[1] for r in runs)
+    label = args.template + (", agent context" if args.agent_context else "")
     print(
-        f"renderer+TITO [{args.template}]: {tokens} tokens in {args.max_steps} trajectories "
+        f"renderer+TITO [{label}]: {tokens} tokens in {args.max_steps} trajectories "
         f"({encoded} of them tool-result tokens); median of {args.repeats}: "
         f"{path / 1e6:.2f} M tokens per CPU-second (goal >= {GOAL_TOKENS_PER_CPU_S / 1e6:.2f} M: "
         f"{'met' if path >= GOAL_TOKENS_PER_CPU_S else 'missed'}); tokenizer alone on the tool "
