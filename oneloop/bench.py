@@ -16,14 +16,17 @@ import numpy as np
 from tinker import types
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _median_times(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each fn, the fns interleaved per repeat so load drift hits all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, bucket in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - start)
+    return [statistics.median(bucket) for bucket in times]
 
 
 def bench_local(args: argparse.Namespace) -> dict[str, float]:
@@ -62,20 +65,19 @@ def bench_local(args: argparse.Namespace) -> dict[str, float]:
         threads=args.threads,
         max_tokens_per_microbatch=args.microbatch,
     )
-    arrays = [datum_to_arrays(d, "cross_entropy", i) for i, d in enumerate(data)]
 
     def direct_train() -> None:
+        # Both sides start from the same tinker Datums: the conversion the client does at the
+        # edge is work either way, not Ray overhead.
+        arrays = [datum_to_arrays(d, "cross_entropy", i) for i, d in enumerate(data)]
         trainer.forward_backward(arrays, "cross_entropy", None, forward_only=False)
         trainer.optim_step(adam_dict)
 
     sampler = TorchSamplerEngine(model_dir, threads=args.threads)
-    request = sample_request(prompt, args.samples, params, False, (), 4096)
 
     def direct_sample() -> None:
+        request = sample_request(prompt, args.samples, params, False, (), 4096)
         sampler.sample("base", request)
-
-    t_direct_train = _median_time(direct_train, args.repeats)
-    t_direct_sample = _median_time(direct_sample, args.repeats)
 
     # Ray: the Tinker-shaped clients over actors.
     with tempfile.TemporaryDirectory() as run_dir:
@@ -99,8 +101,8 @@ def bench_local(args: argparse.Namespace) -> dict[str, float]:
         def ray_sample() -> None:
             sampling.sample(prompt, args.samples, params).result()
 
-        t_ray_train = _median_time(ray_train, args.repeats)
-        t_ray_sample = _median_time(ray_sample, args.repeats)
+        t_direct_train, t_ray_train = _median_times([direct_train, ray_train], args.repeats)
+        t_direct_sample, t_ray_sample = _median_times([direct_sample, ray_sample], args.repeats)
         service.close()
 
     sampled = args.samples * args.sample_tokens
