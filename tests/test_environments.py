@@ -134,3 +134,15 @@ def test_bad_import_path_and_default(tmp_path):
         "NoContainerEnvironment"
     )
     assert load_config("demo-cpu").rollout.environment_import_path == NO_CONTAINER_IMPORT_PATH
+
+
+def test_own_tasks_in_the_container_free_default_are_warned_about():
+    from oneloop.agents.providers import container_free_warning
+
+    assert container_free_warning(None, None, NO_CONTAINER_IMPORT_PATH) is None  # the demo
+    assert container_free_warning("/tasks", "docker", None) is None
+    assert (
+        container_free_warning("/tasks", None, "harbor.environments.modal:ModalEnvironment") is None
+    )
+    warning = container_free_warning("/tasks", None, NO_CONTAINER_IMPORT_PATH)
+    assert warning is not None and "rollout.environment_type" in warning

@@ -114,3 +114,19 @@ def _provider_name(cls: type) -> str | None:
     except Exception:  # noqa: BLE001 - a class without a usable type() has no known provider
         return None
     return getattr(value, "value", value) if value is not None else None
+
+
+def container_free_warning(
+    tasks_dir: object, environment_type: str | None, import_path: str | None
+) -> str | None:
+    """A warning when a run's own tasks (not the demo family) would run in the container-free
+    environment, which isolates files only: it is the default for the demo and tests."""
+    from oneloop.agents.environment import NO_CONTAINER_IMPORT_PATH
+
+    if tasks_dir is None or environment_type is not None or import_path != NO_CONTAINER_IMPORT_PATH:
+        return None
+    return (
+        f"tasks.dir={tasks_dir}: these tasks run in the container-free environment (files "
+        "isolated, no security, the demo/test default); for production set "
+        "rollout.environment_type (docker, modal, daytona) or rollout.environment_import_path"
+    )

@@ -180,7 +180,7 @@ async def run_eval(cfg: Any, options: EvalOptions) -> dict[str, Any]:
     import ray
     from transformers import AutoTokenizer
 
-    from oneloop.agents.providers import preflight_environment
+    from oneloop.agents.providers import container_free_warning, preflight_environment
     from oneloop.agents.trials import TrialRunner
     from oneloop.backends import connect
     from oneloop.diagnostics import records as rec
@@ -190,6 +190,9 @@ async def run_eval(cfg: Any, options: EvalOptions) -> dict[str, Any]:
     rollout = cfg.rollout
     env_import = None if rollout.environment_type else rollout.environment_import_path
     preflight_environment(rollout.environment_type, env_import, "rollout.environment")
+    warning = container_free_warning(cfg.tasks.dir, rollout.environment_type, env_import)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     patterns = rec.compile_patterns(options.error_patterns)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     _, train, held = task_dirs(cfg)

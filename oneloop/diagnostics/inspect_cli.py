@@ -138,7 +138,7 @@ def largest_gaps(run_dir: Path, records: Sequence[Mapping[str, Any]], top: int) 
 
 
 def _excerpt(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split()).replace("|", "\\|")
+    text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -40,7 +40,8 @@ def fmt(value: Any) -> str:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    # A `|` inside a cell (a regex, a tool result) would split it: escape it.
+    lines += ["| " + " | ".join(fmt(v).replace("|", "\\|") for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 

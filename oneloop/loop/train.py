@@ -20,7 +20,7 @@ import ray
 from tinker import types
 
 from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate_tasks
-from oneloop.agents.providers import preflight_environment
+from oneloop.agents.providers import container_free_warning, preflight_environment
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
 from oneloop.backends import capabilities, connect
 from oneloop.loop.advantages import (
@@ -102,6 +102,10 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
         None if rollout.environment_type else rollout.environment_import_path,
         "rollout.environment",
     )
+    env_import = None if rollout.environment_type else rollout.environment_import_path
+    warning = container_free_warning(cfg.tasks.dir, rollout.environment_type, env_import)
+    if warning is not None:
+        log.warning(warning)
     service = connect(cfg.backend)
     if not ray.is_initialized():  # the tinker backend: Ray still runs the trials
         ray.init(include_dashboard=False, configure_logging=False)
