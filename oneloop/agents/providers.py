@@ -52,6 +52,19 @@ def check_environment_type(environment_type: str, field: str) -> Any:
         ) from None
 
 
+def check_environment_choice(
+    environment_type: str | None, import_path: str | None, field: str
+) -> None:
+    """Exactly one of a known Harbor type and an import path; ConfigError naming `field`."""
+    if (environment_type is None) == (import_path is None):
+        raise ConfigError(
+            f"{field}: set exactly one of environment_type (a Harbor type such as docker, "
+            "modal, daytona) and environment_import_path (module:Class)"
+        )
+    if environment_type is not None:
+        check_environment_type(environment_type, f"{field}.environment_type")
+
+
 def load_environment_class(
     environment_type: str | None, import_path: str | None, field: str = "environment"
 ) -> type:

@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from oneloop.agents.environment import NO_CONTAINER_IMPORT_PATH, STDIO_EXIT_PREFIX
-from oneloop.agents.providers import check_environment_type, preflight_environment
+from oneloop.agents.providers import check_environment_choice, preflight_environment
 from oneloop.errors import ConfigError
 
 MCP_AGENT_IMPORT_PATH = "oneloop.agents.mcp_agent:McpToolAgent"
@@ -95,11 +95,8 @@ class TrajectoryResult:
     attempts: int
     trial_name: str
     agent_outcome: str | None = None
-    # The agent's metadata without the trajectory: turns, repairs, context_warnings, tool_stats,
-    # tool_calls (one record per MCP call), timings; None when the agent reported nothing.
-    agent_stats: Mapping[str, Any] | None = None
-    # The error of every earlier attempt of this trajectory (all infra errors: only they retry).
-    attempt_errors: tuple[str, ...] = ()
+    agent_stats: Mapping[str, Any] | None = None  # the agent's metadata minus the trajectory
+    attempt_errors: tuple[str, ...] = ()  # errors of earlier attempts (infra errors: they retry)
 
     @property
     def masked(self) -> bool:
@@ -147,13 +144,7 @@ class TrialRunnerConfig:
     def __post_init__(self) -> None:
         if (self.agent_name is None) == (self.agent_import_path is None):
             raise ConfigError("trials: set exactly one of agent_name and agent_import_path")
-        if (self.environment_type is None) == (self.environment_import_path is None):
-            raise ConfigError(
-                "trials: set exactly one of environment_type (a Harbor type such as docker, "
-                "modal, daytona) and environment_import_path (module:Class)"
-            )
-        if self.environment_type is not None:
-            check_environment_type(self.environment_type, "trials.environment_type")
+        check_environment_choice(self.environment_type, self.environment_import_path, "trials")
         checks = (
             ("max_concurrent_trials", self.max_concurrent_trials >= 1),
             ("trials_per_second", self.trials_per_second > 0),
@@ -359,11 +350,8 @@ class TrialRunner:
     """
 
     def __init__(self, cfg: TrialRunnerConfig) -> None:
-        # Before any trial: a missing SDK, credential or daemon is one clear error, not an
-        # infra error per trial.
-        preflight_environment(
-            cfg.environment_type, cfg.environment_import_path, "trials.environment"
-        )
+        # Before any trial: a missing SDK, credential or daemon is one error, not one per trial.
+        preflight_environment(cfg.environment_type, cfg.environment_import_path, "trials")
         self.cfg = cfg
         # The cap and the rate limiter belong to one event loop; `_limits` makes them anew when a
         # later `asyncio.run` drives the same runner (the counters carry over).
