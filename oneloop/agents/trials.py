@@ -131,6 +131,8 @@ class TrialRunnerConfig:
     # A Harbor environment type (docker, modal, daytona, ...); set it with import_path None.
     environment_type: str | None = None
     environment_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    verifier_import_path: str | None = None  # None: the task's tests/test.sh
+    verifier_kwargs: Mapping[str, Any] = field(default_factory=dict)
     max_concurrent_trials: int = 16  # trials running at once, over all groups
     trials_per_second: float = 8.0  # trial starts per second, over all groups
     trial_timeout_sec: float = 900.0  # a whole trial, enforced inside its Ray task
@@ -229,6 +231,7 @@ def _trial_config(spec: dict[str, Any], trial_name: str, sampler_key: str | None
         EnvironmentConfig,
         TaskConfig,
         TrialConfig,
+        VerifierConfig,
     )
 
     kwargs = dict(spec["agent_kwargs"])
@@ -249,6 +252,9 @@ def _trial_config(spec: dict[str, Any], trial_name: str, sampler_key: str | None
             import_path=spec["environment_import_path"],
             kwargs=dict(spec["environment_kwargs"]),
             delete=spec["delete_environment"],
+        ),
+        verifier=VerifierConfig(
+            import_path=spec["verifier_import_path"], kwargs=dict(spec["verifier_kwargs"])
         ),
     )
 
@@ -368,6 +374,8 @@ class TrialRunner:
             "environment_import_path": cfg.environment_import_path,
             "environment_type": cfg.environment_type,
             "environment_kwargs": dict(cfg.environment_kwargs),
+            "verifier_import_path": cfg.verifier_import_path,
+            "verifier_kwargs": dict(cfg.verifier_kwargs),
             "trial_timeout_sec": cfg.trial_timeout_sec,
             "delete_environment": cfg.delete_environment,
         }

@@ -83,6 +83,11 @@ class RolloutConfig(_Strict):
     """Harbor environment type (`docker`, `modal`, `daytona`, ...); replaces the import path."""
     environment_kwargs: dict[str, Any] = {}
     """Keyword arguments of the environment class (Harbor `environment.kwargs`)."""
+    verifier_import_path: str | None = None
+    """Harbor verifier class (`module:Class`, e.g. `oneloop.agents.judge:LlmJudgeVerifier`); None =
+    the task's own tests/test.sh."""
+    verifier_kwargs: dict[str, Any] = {}
+    """Keyword arguments of the verifier class (Harbor `verifier.kwargs`)."""
 
     @model_validator(mode="after")
     def _one_environment(self) -> "RolloutConfig":

@@ -209,6 +209,8 @@ def trial_runner_config(
         ),
         environment_type=rollout.environment_type,
         environment_kwargs=dict(rollout.environment_kwargs),
+        verifier_import_path=rollout.verifier_import_path,
+        verifier_kwargs=dict(rollout.verifier_kwargs),
         max_concurrent_trials=max_concurrent_trials,
         trials_per_second=rollout.trials_per_second,
         trial_timeout_sec=rollout.trial_timeout_s,
