@@ -370,7 +370,7 @@ async def train_step(
     rewards = [r for g in groups for r in g.rewards]
     metrics["train/reward_mean"] = sum(rewards) / len(rewards)
     _write_gaps(run, step, groups, logprob_gap_per_datum(datums, masks, output))
-    _write_trajectories(run, groups)
+    _write_trajectories(run, step, groups)
     return metrics
 
 
@@ -419,7 +419,7 @@ def _write_gaps(
             handle.write(json.dumps(row) + "\n")
 
 
-def _write_trajectories(run: Run, groups: list[ScoredGroup]) -> None:
+def _write_trajectories(run: Run, step: int | None, groups: list[ScoredGroup]) -> None:
     limit = run.cfg.logging.trajectories_per_step
     if limit == 0:
         return
@@ -442,7 +442,7 @@ def _write_trajectories(run: Run, groups: list[ScoredGroup]) -> None:
                 handle.write(
                     json.dumps(
                         {
-                            "step": run.state.step,
+                            "step": step,  # the optimizer step these trajectories trained
                             "sample_id": group.sample_id,
                             "version": group.version,
                             "reward": reward,
