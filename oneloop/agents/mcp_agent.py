@@ -473,6 +473,7 @@ class McpToolAgent(BaseAgent):
             stderr_dir=self.logs_dir,
         )
         context.metadata = {"outcome": None, "sampler_key": self.config.sampler_key}
+        fill = _ContextFiller(context, toolbox)
         async with toolbox:
             episode = await run_episode(
                 sampler=sampler,
@@ -480,11 +481,9 @@ class McpToolAgent(BaseAgent):
                 toolbox=toolbox,
                 instruction=instruction,
                 config=self.config,
-                on_turn=lambda trajectory, turns: _fill_context(
-                    context, trajectory, turns, toolbox
-                ),
+                on_turn=fill,
             )
-        _fill_context(context, episode.trajectory, episode.turns, toolbox)
+        fill(episode.trajectory, episode.turns)
         context.metadata = (context.metadata or {}) | {
             "outcome": episode.outcome.value,
             "repairs": episode.repairs,
@@ -492,27 +491,41 @@ class McpToolAgent(BaseAgent):
         }
 
 
-def _fill_context(
-    context: AgentContext, trajectory: Trajectory, turns: Sequence[TurnRecord], toolbox: McpToolbox
-) -> None:
-    """Token counts, per-turn rollout details, tool counters and the TITO trajectory so far
-    (called after every sample, so a trial cut by Harbor's timeout still reports them)."""
-    tokens = trajectory.tokens
-    sampled = trajectory.sampled_segments
-    context.n_input_tokens = sum(t.prompt_length for t in turns)
-    context.n_output_tokens = sum(len(s.tokens) for s in sampled)
-    context.rollout_details = [
-        RolloutDetail(
-            prompt_token_ids=[tokens[: t.prompt_length] for t in turns],
-            completion_token_ids=[list(s.tokens) for s in sampled],
-            logprobs=[list(s.logprobs or ()) for s in sampled],
-        )
-    ]
-    timings = {"llm_sec": sum(t.sample_sec for t in turns), "tool_sec": toolbox.tool_sec}
-    context.metadata = (context.metadata or {}) | {
-        "turns": len(turns),
-        "tool_stats": {name: asdict(stats) for name, stats in toolbox.stats.items()},
-        "tool_calls": list(toolbox.calls),
-        "timings": timings | {"mcp_connect_sec": toolbox.connect_sec},
-        "tito": trajectory.to_json(),
-    }
+class _ContextFiller:
+    """Token counts, per-turn rollout details, tool counters and the TITO trajectory so far,
+    written into Harbor's AgentContext after every sample (so a trial cut by Harbor's timeout
+    still reports them). Per-turn token lists are kept and only new turns are added: rebuilding
+    them each turn cost O(turns² × tokens) over an episode."""
+
+    def __init__(self, context: AgentContext, toolbox: McpToolbox) -> None:
+        self.context = context
+        self.toolbox = toolbox
+        self.prompts: list[list[int]] = []
+        self.completions: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+
+    def __call__(self, trajectory: Trajectory, turns: Sequence[TurnRecord]) -> None:
+        tokens = trajectory.tokens
+        sampled = trajectory.sampled_segments
+        self.prompts += [list(tokens[: t.prompt_length]) for t in turns[len(self.prompts) :]]
+        for segment in sampled[len(self.completions) :]:
+            self.completions.append(list(segment.tokens))
+            self.logprobs.append(list(segment.logprobs or ()))
+        context, toolbox = self.context, self.toolbox
+        context.n_input_tokens = sum(t.prompt_length for t in turns)
+        context.n_output_tokens = sum(len(s) for s in self.completions)
+        context.rollout_details = [
+            RolloutDetail(
+                prompt_token_ids=list(self.prompts),
+                completion_token_ids=list(self.completions),
+                logprobs=list(self.logprobs),
+            )
+        ]
+        timings = {"llm_sec": sum(t.sample_sec for t in turns), "tool_sec": toolbox.tool_sec}
+        context.metadata = (context.metadata or {}) | {
+            "turns": len(turns),
+            "tool_stats": {name: asdict(stats) for name, stats in toolbox.stats.items()},
+            "tool_calls": list(toolbox.calls),
+            "timings": timings | {"mcp_connect_sec": toolbox.connect_sec},
+            "tito": trajectory.to_json(),
+        }
