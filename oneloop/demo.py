@@ -33,8 +33,13 @@ def main(argv: list[str]) -> int:
     before = summary.get("eval_before/success_rate", float("nan"))
     after = summary.get("eval_after/success_rate", float("nan"))
     print(json.dumps({k: round(v, 4) for k, v in sorted(summary.items())}, indent=1))
+    masked = [int(summary.get(f"{p}/masked", 0)) for p in ("eval_before", "eval_after")]
+    n = int(summary.get("eval_after/n", 0))
     print(
         f"held-out success: {before:.3f} after SFT -> {after:.3f} after RL "
-        f"({after - before:+.3f}); {time.time() - started:.0f}s; run dir {cfg.run_dir}"
+        f"({after - before:+.3f}) on {n} tasks; {time.time() - started:.0f}s; run dir {cfg.run_dir}"
     )
+    if any(masked):
+        # A masked evaluation trial (infrastructure error) counts as a failure in the rate above.
+        print(f"warning: {masked[0]} / {masked[1]} held-out trials masked (before / after RL)")
     return 0
