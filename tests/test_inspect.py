@@ -93,20 +93,24 @@ def test_inspect_training_run_joins_logprob_gaps_to_trials(tmp_path, capsys):
     data = json.loads((run_dir / "inspect.json").read_text())
     assert data["kind"] == "train"
     trials = sorted((run_dir / "trials").glob("*/result.json"))
-    assert data["steps"]["0"]["trajectories"] == len(trials) == 2  # sampled on version 0
+    # Two trials sampled on version 0 were trained. The producers may already have started the
+    # next group on version 1 when the run ended (async by design), so more trials can exist.
+    assert data["steps"]["0"]["trajectories"] == 2 and len(trials) >= 2
     # Each gap row is joined to the Harbor trial that sampled it (by the TITO digest).
     digests = {}
     for path in trials:
-        tito = json.loads(path.read_text())["agent_result"]["metadata"]["tito"]
-        first = next(s for s in tito["segments"] if s["kind"] == "sampled")
-        digests[first["digest"]] = path.parent.name
+        metadata = (json.loads(path.read_text()).get("agent_result") or {}).get("metadata") or {}
+        segments = (metadata.get("tito") or {}).get("segments", [])
+        sampled = [s for s in segments if s["kind"] == "sampled"]
+        if sampled:
+            digests[sampled[0]["digest"]] = path.parent.name
     largest = data["largest_gaps"]
     assert [g["gap_mean"] for g in largest] == sorted((g["gap_mean"] for g in gaps), reverse=True)
     assert {g["trial_name"] for g in largest} == {digests[g["digest"]] for g in gaps}
     assert [row["step"] for row in data["train_steps"]] == [1]
     text = (run_dir / "inspect.md").read_text()
     assert "## Largest trainer-vs-sampler logprob gaps" in text
-    assert all(f"| {name} |" in text for name in digests.values())
+    assert all(f"| {digests[g['digest']]} |" in text for g in gaps)
     assert (run_dir / "plots" / "inspect_steps.png").is_file()
     assert main([str(tmp_path / "nowhere")]) == 2
     assert "not a directory" in capsys.readouterr().err
