@@ -42,7 +42,7 @@ from oneloop.backends.megatron_local.engines.megatron_layout import (
     megatron_param_names,
     megatron_to_hf,
 )
-from oneloop.backends.megatron_local.engines.torch_trainer import pack_microbatches
+from oneloop.backends.megatron_local.engines.torch_trainer import run_microbatches
 
 WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable HF model
 OPTIMIZER_FILE = "optimizer.pt"
@@ -293,19 +293,12 @@ class MegatronTrainerEngine(TrainerEngine):
         forward_only: bool,
     ) -> ForwardResult:
         config = losses.validate_loss_config(loss_fn, loss_fn_config)
-        lengths = [len(d.tokens) for d in data]
-        logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * len(data)
-        per_datum: list[float] = [0.0] * len(data)
-        metric_sums: dict[str, float] = {}
         self.model.train()
-        for group in pack_microbatches(lengths, self.max_tokens_per_microbatch):
-            result, lp = self._microbatch([data[i] for i in group], loss_fn, config, forward_only)
-            for row, index in enumerate(group):
-                logprobs[index] = lp[row, : lengths[index]].copy()
-                per_datum[index] = float(result.per_datum[row])
-            for key, value in result.metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + value
-        return ForwardResult(logprobs, float(sum(per_datum)), per_datum, metric_sums)
+        return run_microbatches(
+            data,
+            self.max_tokens_per_microbatch,
+            lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
+        )
 
     def _microbatch(
         self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool

@@ -9,6 +9,7 @@
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,29 @@ def pack_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def run_microbatches(
+    data: list[DatumArrays],
+    budget: int,
+    microbatch: Callable[[list[DatumArrays]], tuple["losses.LossResult", np.ndarray]],
+) -> ForwardResult:
+    """Split `data` by `pack_microbatches`, run `microbatch` on each (it returns the loss result
+    and padded target logprobs [rows, T]) and gather per-datum logprobs, losses and summed
+    metrics in datum order. Shared by every trainer engine: losses are sums, so the result does
+    not depend on how the batch was split."""
+    lengths = [len(d.tokens) for d in data]
+    logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * len(data)
+    per_datum: list[float] = [0.0] * len(data)
+    metric_sums: dict[str, float] = {}
+    for group in pack_microbatches(lengths, budget):
+        result, lp = microbatch([data[i] for i in group])
+        for row, index in enumerate(group):
+            logprobs[index] = lp[row, : lengths[index]].copy()
+            per_datum[index] = float(result.per_datum[row])
+        for key, value in result.metrics.items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value
+    return ForwardResult(logprobs, float(sum(per_datum)), per_datum, metric_sums)
 
 
 class TorchTrainerEngine(TrainerEngine):
@@ -99,19 +123,11 @@ class TorchTrainerEngine(TrainerEngine):
         forward_only: bool,
     ) -> ForwardResult:
         config = losses.validate_loss_config(loss_fn, loss_fn_config)
-        lengths = [len(d.tokens) for d in data]
-        logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * len(data)
-        per_datum: list[float] = [0.0] * len(data)
-        metric_sums: dict[str, float] = {}
-        for group in pack_microbatches(lengths, self.max_tokens_per_microbatch):
-            result, lp = self._microbatch([data[i] for i in group], loss_fn, config, forward_only)
-            for row, index in enumerate(group):
-                logprobs[index] = lp[row, : lengths[index]].copy()
-                per_datum[index] = float(result.per_datum[row])
-            for key, value in result.metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + value
-        total = float(sum(per_datum))
-        return ForwardResult(logprobs, total, per_datum, metric_sums)
+        return run_microbatches(
+            data,
+            self.max_tokens_per_microbatch,
+            lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
+        )
 
     def _microbatch(
         self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool
