@@ -1,13 +1,20 @@
 """The loop keeps going through broken rollouts: failing environments, verifiers that write no
 reward, an MCP server that crashes and one that hangs (the trial hits its agent timeout) are
 retried or masked, the tasks dropped after three tries, and every event is counted in
-metrics.jsonl. (A crashed sampler actor is covered in test_local_backend.)"""
+metrics.jsonl. A sampler actor killed mid-run is restarted by Ray, the run finishes its steps
+without losing or repeating a task, and the restart is counted (`backend/sampler_restarts`)."""
 
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from oneloop.agents.demo_tasks.generator import Difficulty, Fault, generate_tasks
@@ -18,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def with_mcp_server(task_dir: Path, code: str, agent_timeout_sec: float | None = None) -> None:
     """Replace the task's stdio MCP server by `python -c code` (a crash, a hang)."""
     toml = task_dir / "task.toml"
-    text = re.sub(r"^args = .*$", f"args = {json.dumps(['-c', code])}", toml.read_text(), flags=re.M)
+    text = re.sub(
+        r"^args = .*$", f"args = {json.dumps(['-c', code])}", toml.read_text(), flags=re.M
+    )
     if agent_timeout_sec is not None:
         text = re.sub(r"(\[agent\]\ntimeout_sec = )[0-9.]+", rf"\g<1>{agent_timeout_sec}", text)
     toml.write_text(text)
@@ -77,3 +86,95 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     assert "AgentTimeoutError" in errors, errors[:2000]
     checkpoint = json.loads((run_dir / "checkpoints.jsonl").read_text().splitlines()[-1])
     assert len(checkpoint["consumed"]) == len(set(checkpoint["consumed"]))
+
+
+def sampler_actor_pids(root: int) -> list[int]:
+    """Processes of the local backend's sampler actor under `root` (the training process, whose
+    `ray.init` started the raylet and its workers); Ray titles an actor's worker `ray::<Class>`."""
+    pids = []
+    for process in psutil.Process(root).children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.Error:
+            continue  # exited meanwhile
+        if title.startswith("ray::SamplerActor"):
+            pids.append(process.pid)
+    return pids
+
+
+def rl_rows(metrics: Path) -> list[dict]:
+    if not metrics.is_file():
+        return []
+    lines = metrics.read_text().split("\n")[:-1]  # the last piece may be a line being written
+    return [row for row in map(json.loads, lines) if "train/loss" in row]
+
+
+@pytest.mark.timeout(1500)
+def test_run_survives_a_crashed_sampler_actor(tmp_path, train_script):
+    """The sampler actor's process is SIGKILLed after step 1: Ray restarts it, the producers'
+    sampling clients and the loop's next weight publish re-install weights on the new actor, the
+    run trains all its steps, every task is accounted for, and the restart is counted."""
+    run_dir, steps, groups_per_step = tmp_path / "run", 4, 2
+    command = train_script.command(
+        run_dir,
+        tmp_path / "backend",
+        "sft=null",
+        "eval=null",
+        "model.base_model=oneloop/tiny-qwen3",
+        "tasks.demo.n_train=8",
+        f"algo.max_steps={steps}",
+        f"algo.groups_per_step={groups_per_step}",
+        "algo.group_size=2",
+        "algo.max_staleness=1",
+        "algo.filter_zero_variance=false",
+        "agent.max_turns=2",
+        "agent.max_tokens_per_turn=8",
+        "checkpoint.every_steps=1",
+        "logging.console=false",
+    )
+    log = (tmp_path / "train.log").open("w")
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 1200
+        while not rl_rows(run_dir / "metrics.jsonl"):
+            assert process.poll() is None, (tmp_path / "train.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no RL step within 1200 s"
+            time.sleep(0.2)
+        pids = sampler_actor_pids(process.pid)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        killed_after = len(rl_rows(run_dir / "metrics.jsonl"))
+        assert process.wait(timeout=1200) == 0, (tmp_path / "train.log").read_text()[-4000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=60)
+        log.close()
+    assert killed_after < steps  # the crash hit the run mid-way, not after its last step
+    rows = rl_rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all("backend/sampler_restarts" in r for r in rows)  # the local backend reports it
+    assert sum(r["backend/sampler_restarts"] for r in rows) == 1, rows
+    totals: Counter[str] = Counter()
+    for row in rows:
+        totals.update({k: v for k, v in row.items() if k.startswith("rollout/")})
+    # The crash costs no trial: samples in flight are resubmitted to the restarted actor (a
+    # sample that still failed would be an `infra_error` trial, retried, then a masked group).
+    assert totals["rollout/outcome_infra_error"] == 0, totals
+    assert totals["rollout/group_errors"] == 0, totals
+    assert totals["rollout/tasks_dropped"] == 0, totals
+    # Task accounting: each trained group's sample id trained at exactly one step; the last
+    # checkpoint's consumed ids are exactly the trained ones plus groups seen without signal.
+    trained: dict[str, set[int]] = {}
+    for line in (run_dir / "logprob_gaps.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        trained.setdefault(row["sample_id"], set()).add(row["step"])
+    assert all(len(at) == 1 for at in trained.values()), trained
+    assert len(trained) == steps * groups_per_step
+    checkpoint = json.loads((run_dir / "checkpoints.jsonl").read_text().splitlines()[-1])
+    consumed = checkpoint["consumed"]
+    assert len(consumed) == len(set(consumed))
+    assert set(trained) <= set(consumed)
+    assert len(consumed) == len(trained) + totals["rollout/groups_zero_variance"], totals
+    handed_out = {f"{i // 8}:{i % 8}" for i in range(checkpoint["cursor"])}
+    assert set(consumed) <= handed_out

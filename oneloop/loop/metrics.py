@@ -7,15 +7,18 @@ import lazily; enabled but not installed is a `ConfigError` naming the config ke
 `read_metrics` reads the file back, skipping a torn last line; `truncate_after` drops the steps
 after a checkpoint on resume (atomic rewrite). Keys are namespaced `area/name`
 (`rollout/reward_mean`, `train/loss`, `time/wait_for_rollouts`, `staleness/hist_0`).
+`BackendCounters` turns a backend's own event counters (the optional `ReportsBackendMetrics`
+hook of its ServiceClient) into per-step `backend/...` metrics.
 """
 
+import asyncio
 import json
 import math
 import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from oneloop.errors import ConfigError
 
@@ -106,6 +109,38 @@ class MetricsLogger:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@runtime_checkable
+class ReportsBackendMetrics(Protocol):
+    """Optional hook of a ServiceClient: counters of backend events the loop cannot see.
+
+    `backend_metrics()` returns cumulative counts since the client started, keyed `backend/...`;
+    it may block briefly (the loop calls it in a thread, once per step, with a timeout).
+    Implementations: `megatron_local.clients.LocalServiceClient` (`backend/sampler_restarts`).
+    The tinker SDK's ServiceClient has no such hook (also against `oneloop serve`), so a
+    `--backend tinker` run logs no `backend/` keys: absent means not reported, not zero.
+    """
+
+    def backend_metrics(self) -> dict[str, float]: ...
+
+
+class BackendCounters:
+    """Per-step deltas of a backend's cumulative counters (`ReportsBackendMetrics`)."""
+
+    def __init__(self, service: object) -> None:
+        self._source = service if isinstance(service, ReportsBackendMetrics) else None
+        self._last: dict[str, float] = {}
+
+    async def step_metrics(self, timeout_s: float) -> dict[str, float]:
+        """Counts since the previous call ({} when the backend reports none)."""
+        if self._source is None:
+            return {}
+        async with asyncio.timeout(timeout_s):
+            totals = await asyncio.to_thread(self._source.backend_metrics)
+        out = {key: float(value) - self._last.get(key, 0.0) for key, value in totals.items()}
+        self._last = {key: float(value) for key, value in totals.items()}
+        return out
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -32,7 +32,7 @@ from oneloop.loop.advantages import (
 from oneloop.loop.checkpoints import LoopState, append_checkpoint, last_checkpoint
 from oneloop.loop.config import TrainConfig
 from oneloop.loop.data import TaskSource
-from oneloop.loop.metrics import MetricsLogger, truncate_after
+from oneloop.loop.metrics import BackendCounters, MetricsLogger, truncate_after
 from oneloop.loop.plots import write_plots
 from oneloop.loop.rollouts import RolloutPool
 from oneloop.loop.sft import demo_tool_specs, demonstration, sft_warm_start
@@ -307,6 +307,7 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
         seed=algo.seed,
     )
     pool.publish(sampler, run.state.step)
+    backend = BackendCounters(run.service)  # backend/... events (e.g. sampler restarts)
     summary: dict[str, float] = {}
     try:
         for step in range(run.state.step, algo.max_steps):
@@ -322,6 +323,7 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
             pool.publish(sampler, step + 1)
             now = time.monotonic()
             metrics.update(pool.drain_metrics())
+            metrics.update(await backend.step_metrics(cfg.timeouts.sync_s))
             metrics.update(gate.metrics())
             metrics["staleness/batch_max"] = float(max(staleness, default=0))
             metrics.update(

@@ -126,6 +126,27 @@ def sample_request(
     )
 
 
+def sampler_recoverable(error: BaseException) -> bool:
+    """Whether a failed sampler call is worth retrying after re-installing weights."""
+    if isinstance(error, MissingWeightsError | ray.exceptions.ActorUnavailableError):
+        return True
+    # A crash (Ray restarts the actor) is worth retrying; `close()` (ray.kill) is final.
+    return isinstance(error, ray.exceptions.RayActorError) and "ray.kill" not in str(error)
+
+
+def actor_restarts(actor: Any) -> int:
+    """How many times Ray has restarted `actor` (0 for one that never died).
+
+    Read from the GCS actor table, the record Ray's state API reports `num_restarts` from: that
+    API (`ray.util.state`) needs the dashboard, which the local backend does not start, so this
+    reads the table directly (`ray._private.state`, pinned with Ray in uv.lock).
+    """
+    from ray._private import state
+
+    info = state.actors(actor_id=actor._actor_id.hex())
+    return int(info.get("NumRestarts", 0)) if info else 0
+
+
 class LocalSamplingClient:
     """A Tinker SamplingClient on a local sampler actor and one named weight set.
 
@@ -231,13 +252,9 @@ class LocalSamplingClient:
                 return self._actor.set_weights.remote(self._key, self._restore)
             return self._actor.ready.remote()
 
-        def recoverable(error: BaseException) -> bool:
-            if isinstance(error, MissingWeightsError | ray.exceptions.ActorUnavailableError):
-                return True
-            # A crash (Ray restarts the actor) is worth retrying; `close()` (ray.kill) is final.
-            return isinstance(error, ray.exceptions.RayActorError) and "ray.kill" not in str(error)
-
-        return chain_with_recovery(submit, convert, recover, recoverable, attempts=RESTART_ATTEMPTS)
+        return chain_with_recovery(
+            submit, convert, recover, sampler_recoverable, attempts=RESTART_ATTEMPTS
+        )
 
     def compute_logprobs(
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
@@ -421,12 +438,15 @@ class LocalTrainingClient:
         )
         sampler = self._service.sampler_actor(self._model_dir)
         payload = self._actor.export_sampler_weights.remote(self._service.sync_layout(sampler))
-        installed = sampler.set_weights.remote(key, payload)
-        return chain(
-            installed,
+        # A sampler restarting when the weights arrive is waited for (as sampling clients do).
+        return chain_with_recovery(
+            lambda: sampler.set_weights.remote(key, payload),
             lambda version: self._service.sampling_client(
                 sampler, key, self.base_model, self._model_dir, None, version, payload
             ),
+            lambda: sampler.ready.remote(),
+            sampler_recoverable,
+            attempts=RESTART_ATTEMPTS,
         )
 
     def create_sampling_client(
@@ -670,6 +690,17 @@ class LocalServiceClient:
                 actor, key, meta["base_model"], model_dir, model_path, version, str(directory)
             ),
         )
+
+    def backend_metrics(self) -> dict[str, float]:
+        """Counters of backend events since this client started (a local-backend extension that
+        the loop logs per step; see `oneloop.loop.metrics.ReportsBackendMetrics`).
+
+        `backend/sampler_restarts`: restarts of this client's sampler actors by Ray after a
+        crash (OOM, a killed process); clients re-install their weights on the new actor and
+        resubmit, so an in-flight sample is retried, not failed. Blocking (one GCS read).
+        """
+        restarts = sum(actor_restarts(a) for a in self._samplers.values())
+        return {"backend/sampler_restarts": float(restarts)}
 
     def close(
         self, status: str = "success", detail: str | None = None
