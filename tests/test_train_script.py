@@ -2,12 +2,16 @@
 rejects bad configs by dotted path before anything starts."""
 
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from oneloop.errors import ConfigError
+from oneloop.backends.capabilities import TINKER_SERVICE, local_capabilities
+from oneloop.errors import CapabilityError, ConfigError
 from oneloop.loop.config import load_config
+from oneloop.loop.train import check_capabilities
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -44,11 +48,55 @@ def test_config_errors_name_the_dotted_path(override, path):
         load_config("demo-cpu", [override])
 
 
-def test_unsupported_knob_fails_before_the_run(tmp_path):
-    from oneloop.backends.capabilities import TINKER_SERVICE
+LORA = "model.lora_rank=8"
 
-    with pytest.raises(ConfigError, match="lora_rank=0"):
-        TINKER_SERVICE.check(lora_rank=0)
+
+@pytest.mark.parametrize(
+    ("row", "overrides", "kind", "path"),
+    [
+        # Thinking Machines' service trains LoRA only; demo-cpu fine-tunes fully (rank 0).
+        (TINKER_SERVICE, [], "inflight", "model.lora_rank"),
+        # The vllm sampler holds one live weight set: inflight clients only.
+        (local_capabilities(64, sampler_engine="vllm"), [LORA], "snapshot", "algo.sampler_kind"),
+        # A Tinker-compatible server that implements fewer losses than Tinker's built-ins.
+        (
+            replace(TINKER_SERVICE, losses=frozenset({"cross_entropy"})),
+            [LORA, "algo.loss_fn=ppo"],
+            "inflight",
+            "algo.loss_fn",
+        ),
+        (
+            replace(TINKER_SERVICE, losses=frozenset({"ppo"})),
+            [LORA, "algo.loss_fn=ppo"],
+            "inflight",
+            "sft",
+        ),
+    ],
+)
+def test_unsupported_knob_names_the_dotted_path(row, overrides, kind, path):
+    """A loss, sampler kind, rank the backend cannot honour: CapabilityError led by the key."""
+    cfg = load_config("demo-cpu", overrides)
+    with pytest.raises(CapabilityError, match=f"^{re.escape(path)}: "):
+        check_capabilities(row, cfg, kind)
+
+
+@pytest.mark.timeout(300)
+def test_unsupported_knob_stops_the_script_before_anything_starts(tmp_path, train_script):
+    """The capability check runs in setup, before tasks, SFT, trials or metrics exist."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    overrides = ["backend.local.sampler_engine=vllm", "algo.sampler_kind=snapshot"]
+    done = subprocess.run(
+        train_script.command(run_dir, tmp_path / "backend", *overrides),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 2, done.stderr[-4000:]
+    assert "config error: algo.sampler_kind: sampler kind 'snapshot'" in done.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == []
 
 
 @pytest.mark.timeout(1500)

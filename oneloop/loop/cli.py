@@ -44,6 +44,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from oneloop.loop.train import train
 
-    summary = asyncio.run(train(cfg, resume=args.resume))
+    try:  # a knob the backend cannot honour fails in setup, before SFT or RL start
+        summary = asyncio.run(train(cfg, resume=args.resume))
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
     print({k: round(v, 4) for k, v in summary.items() if k.startswith(("eval", "rollout/reward"))})
     return 0

@@ -23,6 +23,8 @@ from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate
 from oneloop.agents.providers import container_free_warning, preflight_environment
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
 from oneloop.backends import capabilities, connect
+from oneloop.backends.capabilities import Capabilities
+from oneloop.errors import CapabilityError
 from oneloop.loop.advantages import (
     ScoredGroup,
     build_datums,
@@ -115,12 +117,7 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
         if cfg.algo.sampler_kind == "auto" and "inflight" in caps.sampler_kinds
         else ("snapshot" if cfg.algo.sampler_kind == "auto" else cfg.algo.sampler_kind)
     )
-    caps.check(
-        loss_fns=[cfg.algo.loss_fn, *(["cross_entropy"] if cfg.sft else [])],
-        sampler_kind=kind,
-        lora_rank=cfg.model.lora_rank,
-        base_model=cfg.model.base_model,
-    )
+    check_capabilities(caps, cfg, kind)
     splits, train_tasks, eval_tasks = _tasks(cfg)
     previous = last_checkpoint(cfg.run_dir) if resume else None
     if previous is not None:
@@ -150,6 +147,23 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     return Run(
         cfg, service, trainer, tokenizer_path, splits, train_tasks, eval_tasks, state, logger, kind
     )
+
+
+def check_capabilities(caps: Capabilities, cfg: TrainConfig, kind: str) -> None:
+    """Raise CapabilityError, prefixed with the config key's dotted path, for the first knob of
+    `cfg` the backend cannot honour (`kind`: the sampler kind `algo.sampler_kind` resolved to)."""
+    knobs: list[tuple[str, dict[str, Any]]] = [
+        ("algo.loss_fn", {"loss_fns": [cfg.algo.loss_fn]}),
+        ("sft", {"loss_fns": ["cross_entropy"] if cfg.sft else []}),  # the warm start's loss
+        ("algo.sampler_kind", {"sampler_kind": kind}),
+        ("model.lora_rank", {"lora_rank": cfg.model.lora_rank}),
+        ("model.base_model", {"base_model": cfg.model.base_model}),
+    ]
+    for path, knob in knobs:
+        try:
+            caps.check(**knob)
+        except CapabilityError as error:
+            raise CapabilityError(f"{path}: {error}") from None
 
 
 def task_dirs(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]:
