@@ -15,15 +15,19 @@ Measures, in one run on the same machine and backend:
   * output (`ForwardBackwardOutput` result), a token = one target logprob (float32): the
     server's `encode_forward_backward_output` and the SDK's `deserialize_forward_backward_output`;
   * sample result, a token = one sampled token (int32 id + float32 logprob): the server's
-    `encode_sample_response` and the SDK's `deserialize_sample_response`.
+    `encode_sample_response` and the SDK's `deserialize_sample_response`, one message per
+    `--codec-sample-shapes` entry, labelled `sample_<samples>x<tokens>` (default `64x32`, the
+    benchmarked call's size, and `64x1024`, a realistic rollout size).
   The round trip of a message is tokens / (encode s + decode s); the goal is >= 200 M tokens/s.
   The SDK's halves are the unmodified SDK's code: this project cannot change them.
 
 Both paths drive twin models (same base model, LoRA rank and seed); runs alternate, and which
 path goes first alternates too. Medians are reported.
 Usage: `python benchmarks/bench_serve.py [--tokens N] [--repeats R] [--json out.json]`;
-`--codec-only` times only the codecs (no server, no training), on a `ForwardBackwardOutput` and a
-`SampleResponse` built by the local backend's own converters from arrays of the same shapes.
+`--codec-only` times only the codecs (no server, no training), on a `ForwardBackwardOutput` and
+`SampleResponse`s built by the local backend's own converters from arrays of the same shapes;
+`--sample-only` times only the `sample` calls (no training steps, no codec), for quick iteration
+on the per-call overhead (use `--repeats 20` or more: one call is ~0.2 s).
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ def median_s(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutput,
-                     sample: types.SampleResponse, repeats: int) -> dict[str, Any]:
-    """Tokens/s of each codec half and of each message's round trip (module docstring)."""
+                     samples: dict[str, types.SampleResponse], repeats: int) -> dict[str, Any]:
+    """Tokens/s of each codec half and of each message's round trip (module docstring).
+    `samples` maps a label (e.g. `sample_64x32`) to a sample response timed under that label."""
     tokens = sum(d.model_input.length for d in data)
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
@@ -109,9 +114,6 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
 
     out_tokens = sum(o["logprobs"].to_numpy().size for o in output.loss_fn_outputs)
     out_body = encode_forward_backward_output(output)
-    sample_tokens = sum(len(s.tokens_np if s.tokens_np is not None else s.tokens)
-                        for s in sample.sequences)
-    sample_body = encode_sample_response(sample)
     seconds = {
         "request/sdk_encode": median_s(
             lambda: forward_backward_request_to_proto(request).SerializeToString(), repeats),
@@ -120,18 +122,25 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
         "output/serve_encode": median_s(lambda: encode_forward_backward_output(output), repeats),
         "output/sdk_decode": median_s(
             lambda: deserialize_forward_backward_output(out_body), repeats),
-        "sample/serve_encode": median_s(lambda: encode_sample_response(sample), repeats),
-        "sample/sdk_decode": median_s(lambda: deserialize_sample_response(sample_body), repeats),
     }
-    count = {"request": tokens, "output": out_tokens, "sample": sample_tokens}
+    count = {"request": tokens, "output": out_tokens}
+    sizes = {"codec/request_bytes": len(body), "codec/output_bytes": len(out_body)}
+    for label, sample in samples.items():
+        sample_body = encode_sample_response(sample)
+        count[label] = sum(len(s.tokens_np if s.tokens_np is not None else s.tokens)
+                           for s in sample.sequences)
+        sizes[f"codec/{label}_bytes"] = len(sample_body)
+        seconds[f"{label}/serve_encode"] = median_s(
+            lambda s=sample: encode_sample_response(s), repeats)
+        seconds[f"{label}/sdk_decode"] = median_s(
+            lambda b=sample_body: deserialize_sample_response(b), repeats)
     rates = {f"codec/{k}_tokens_per_s": count[k.split("/")[0]] / s for k, s in seconds.items()}
-    for message, enc, dec in (("request", "sdk_encode", "serve_decode"),
-                              ("output", "serve_encode", "sdk_decode"),
-                              ("sample", "serve_encode", "sdk_decode")):
+    trips = [("request", "sdk_encode", "serve_decode"), ("output", "serve_encode", "sdk_decode")]
+    trips += [(label, "serve_encode", "sdk_decode") for label in samples]
+    for message, enc, dec in trips:
         both = seconds[f"{message}/{enc}"] + seconds[f"{message}/{dec}"]
         rates[f"codec/{message}/round_trip_tokens_per_s"] = count[message] / both
-    return {**rates, "codec/tokens": count, "codec/request_bytes": len(body),
-            "codec/output_bytes": len(out_body), "codec/sample_bytes": len(sample_body),
+    return {**rates, "codec/tokens": count, **sizes,
             "codec/goal_tokens_per_s": GOAL_CODEC_TOKENS_PER_S}
 
 
@@ -148,15 +157,19 @@ def print_codec(results: dict[str, Any]) -> None:
                   f"{'meets' if value >= goal else 'misses'} the goal ({value / goal:.2f}x)")
 
 
-def synthetic_results(data: list[types.Datum], num_samples: int, max_tokens: int,
-                      seed: int = 0) -> tuple[types.ForwardBackwardOutput, types.SampleResponse]:
-    """A forward_backward output and a sample response of the benchmark's shapes, built by the
-    local backend's own converters (`forward_output`; `SampledSequence` with numpy fields as
-    `LocalSamplingClient` makes them), for `--codec-only`."""
+def synthetic_output(data: list[types.Datum], seed: int = 0) -> types.ForwardBackwardOutput:
+    """A forward_backward output of the benchmark's shapes, built by the local backend's own
+    converter (`forward_output`), for `--codec-only`."""
     rng = np.random.default_rng(seed)
     logprobs = [-rng.random(d.model_input.length, dtype=np.float32) for d in data]
-    output = forward_output(ForwardResult(logprobs=logprobs, loss=1.0,
-                                          per_datum_loss=[1.0] * len(data)))  # fmt: skip
+    return forward_output(ForwardResult(logprobs=logprobs, loss=1.0,
+                                        per_datum_loss=[1.0] * len(data)))  # fmt: skip
+
+
+def synthetic_sample(num_samples: int, max_tokens: int, seed: int = 0) -> types.SampleResponse:
+    """A sample response of `num_samples` x `max_tokens` tokens, `SampledSequence`s with numpy
+    fields as `LocalSamplingClient` makes them."""
+    rng = np.random.default_rng(seed)
     sequences = [
         types.SampledSequence(
             stop_reason="length", sequence_id=f"bench/v1/{i}",
@@ -165,7 +178,67 @@ def synthetic_results(data: list[types.Datum], num_samples: int, max_tokens: int
         )
         for i in range(num_samples)
     ]  # fmt: skip
-    return output, types.SampleResponse(sequences=sequences)
+    return types.SampleResponse(sequences=sequences)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """`64x32,64x1024` -> [(64, 32), (64, 1024)] (samples x tokens per sample)."""
+    shapes = []
+    for part in text.split(","):
+        n, _, t = part.strip().partition("x")
+        if not (n.isdigit() and t.isdigit() and int(n) > 0 and int(t) > 0):
+            raise SystemExit(f"--codec-sample-shapes: expected NxT[,NxT...], got {part!r}")
+        shapes.append((int(n), int(t)))
+    return shapes
+
+
+def sample_messages(
+    shapes: list[tuple[int, int]],
+    measured: types.SampleResponse | None = None,
+    measured_shape: tuple[int, int] | None = None,
+) -> dict[str, types.SampleResponse]:
+    """One sample response per shape, labelled `sample_<N>x<T>` (N samples x T tokens each);
+    the shape the run really sampled uses that real response."""
+    return {
+        f"sample_{n}x{t}": measured if measured is not None and (n, t) == measured_shape
+        else synthetic_sample(n, t)
+        for n, t in shapes
+    }
+
+
+def sample_paths(args: argparse.Namespace, via_serve: Any, in_process: Any
+                 ) -> tuple[dict[str, Any], types.SampleResponse]:
+    """`--repeats` timed `sample` calls of `--num-samples` x `--max-tokens` per path, interleaved
+    (which path goes first alternates); medians, ratio, and the in-process response."""
+    prompt = types.ModelInput.from_ints(list(range(300, 332)))
+    params = types.SamplingParams(max_tokens=args.max_tokens, seed=0, stop=[])
+    sampler_serve = via_serve.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    sampler_local = in_process.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    for sampler in (sampler_serve, sampler_local):  # warm-up
+        for _ in range(2):
+            sampler.sample(prompt, args.num_samples, params).result(timeout=TIMEOUT_S)
+    sample_serve: list[float] = []
+    sample_local: list[float] = []
+    response = None  # the in-process result: what the server encodes
+    for repeat in range(args.repeats):
+        pairs = ((sampler_serve, sample_serve), (sampler_local, sample_local))
+        for sampler, times in pairs if repeat % 2 == 0 else pairs[::-1]:
+            seconds, out = timed(lambda s=sampler: s.sample(
+                prompt, args.num_samples, params).result(timeout=TIMEOUT_S))
+            times.append(seconds)
+            if sampler is sampler_local:
+                response = out
+    assert response is not None
+    med = statistics.median
+    return {
+        "sample_s_serve": med(sample_serve),
+        "sample_s_in_process": med(sample_local),
+        "sample_ratio_serve_over_in_process": med(sample_serve) / med(sample_local),
+        "sample_overhead_s_serve_minus_in_process": med(sample_serve) - med(sample_local),
+        "sample_s_runs": {"serve": sample_serve, "in_process": sample_local},
+        "num_samples": args.num_samples,
+        "sample_max_tokens": args.max_tokens,
+    }, response
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -174,92 +247,78 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--num-samples", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs per path (training steps; sample calls)")
     parser.add_argument("--model", default=TINY_MODEL_NAME)
     parser.add_argument("--codec-repeats", type=int, default=5,
                         help="timed repeats of each codec half (median)")
-    parser.add_argument("--codec-only", action="store_true",
-                        help="time only the protobuf codecs (no server, no training steps)")
+    parser.add_argument("--codec-sample-shapes", default="64x32,64x1024",
+                        help="sample-response messages timed by the codec part, as "
+                             "SAMPLESxTOKENS[,...] (each labelled sample_<S>x<T>)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--codec-only", action="store_true",
+                      help="time only the protobuf codecs (no server, no training steps)")
+    mode.add_argument("--sample-only", action="store_true",
+                      help="time only the `sample` call through serve vs in process (no training "
+                           "steps, no codec); use a larger --repeats")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    shapes = parse_shapes(args.codec_sample_shapes)
     if args.codec_only:
         data = batch(args.tokens, args.seq_len)
-        output, sample = synthetic_results(data, args.num_samples, args.max_tokens)
-        results = codec_throughput(data, output, sample, args.codec_repeats)
+        results = codec_throughput(data, synthetic_output(data), sample_messages(shapes),
+                                   args.codec_repeats)
         print_codec(results)
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(json.dumps(results, indent=2) + "\n")
-        return results
+        return write(results, args.json)
 
     backend = connect(BackendConfig(backend="local", run_dir=tempfile.mkdtemp(prefix="bench_")))
-    results: dict[str, Any] = {"tokens_per_step": 0}
+    results: dict[str, Any] = {"repeats": args.repeats}
     with ServerThread(ServeConfig(port=0), backend) as server:
         sdk = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench-loopback")
         via_serve = sdk.create_lora_training_client(args.model, rank=8, seed=0).result(
             timeout=TIMEOUT_S)
         in_process = backend.create_lora_training_client(args.model, rank=8, seed=0).result(
             timeout=TIMEOUT_S)
-        data = batch(args.tokens, args.seq_len)
-        results["tokens_per_step"] = sum(d.model_input.length for d in data)
-        warm = batch(2 * args.seq_len, args.seq_len, seed=1)
-        train_step(via_serve, warm)
-        train_step(in_process, warm)
-
-        step_serve: list[float] = []
-        step_local: list[float] = []
-        output = None  # the in-process result: what the server encodes
-        for repeat in range(args.repeats):  # alternate which path goes first
-            for path in (("serve", "local") if repeat % 2 == 0 else ("local", "serve")):
-                if path == "serve":
-                    step_serve.append(timed(lambda: train_step(via_serve, data))[0])
-                else:
-                    seconds, output = timed(lambda: train_step(in_process, data))
-                    step_local.append(seconds)
-
-        prompt = types.ModelInput.from_ints(list(range(300, 332)))
-        params = types.SamplingParams(max_tokens=args.max_tokens, seed=0, stop=[])
-        sampler_serve = via_serve.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
-        sampler_local = in_process.save_weights_and_get_sampling_client().result(
-            timeout=TIMEOUT_S)
-        for sampler in (sampler_serve, sampler_local):  # warm-up
-            sampler.sample(prompt, 1, params).result(timeout=TIMEOUT_S)
-        sample_serve: list[float] = []
-        sample_local: list[float] = []
-        sample_response = None  # the in-process result: what the server encodes
-        for repeat in range(args.repeats):
-            pairs = ((sampler_serve, sample_serve), (sampler_local, sample_local))
-            for sampler, times in pairs if repeat % 2 == 0 else pairs[::-1]:
-                seconds, response = timed(lambda s=sampler: s.sample(
-                    prompt, args.num_samples, params).result(timeout=TIMEOUT_S))
-                times.append(seconds)
-                if sampler is sampler_local:
-                    sample_response = response
+        if not args.sample_only:
+            data = batch(args.tokens, args.seq_len)
+            results["tokens_per_step"] = sum(d.model_input.length for d in data)
+            warm = batch(2 * args.seq_len, args.seq_len, seed=1)
+            train_step(via_serve, warm)
+            train_step(in_process, warm)
+            step_serve: list[float] = []
+            step_local: list[float] = []
+            output = None  # the in-process result: what the server encodes
+            for repeat in range(args.repeats):  # alternate which path goes first
+                for path in (("serve", "local") if repeat % 2 == 0 else ("local", "serve")):
+                    if path == "serve":
+                        step_serve.append(timed(lambda: train_step(via_serve, data))[0])
+                    else:
+                        seconds, output = timed(lambda: train_step(in_process, data))
+                        step_local.append(seconds)
+            med = statistics.median
+            results.update({
+                "train_step_s_serve": med(step_serve),
+                "train_step_s_in_process": med(step_local),
+                "train_step_ratio_serve_over_in_process": med(step_serve) / med(step_local),
+                "train_step_s_runs": {"serve": step_serve, "in_process": step_local},
+            })
+        sampled, sample_response = sample_paths(args, via_serve, in_process)
+        results.update(sampled)
         sdk.close("success").result(timeout=60)
-
-    med = statistics.median
-    results.update({
-        "train_step_s_serve": med(step_serve),
-        "train_step_s_in_process": med(step_local),
-        "train_step_ratio_serve_over_in_process": med(step_serve) / med(step_local),
-        "sample_s_serve": med(sample_serve),
-        "sample_s_in_process": med(sample_local),
-        "sample_ratio_serve_over_in_process": med(sample_serve) / med(sample_local),
-        "train_step_s_runs": {"serve": step_serve, "in_process": step_local},
-        "sample_s_runs": {"serve": sample_serve, "in_process": sample_local},
-        "num_samples": args.num_samples,
-        "sample_max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-    })
-    assert output is not None and sample_response is not None
-    results.update(codec_throughput(data, output, sample_response, args.codec_repeats))
     backend.close()
-    text = json.dumps(results, indent=2)
-    print(text)
-    print_codec(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(results, indent=2))
+    if not args.sample_only:
+        assert output is not None
+        messages = sample_messages(shapes, sample_response, (args.num_samples, args.max_tokens))
+        results.update(codec_throughput(data, output, messages, args.codec_repeats))
+        print_codec(results)
+    return write(results, args.json)
+
+
+def write(results: dict[str, Any], path: str | None) -> dict[str, Any]:
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(results, indent=2) + "\n")
     return results
 
 

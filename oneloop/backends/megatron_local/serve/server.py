@@ -61,7 +61,8 @@ class ServeConfig(BaseModel):
     long_poll_s: float = Field(default=30.0, gt=0, lt=45)
     """How long one /retrieve_future waits before answering 408 (the SDK waits 45 s)."""
     sample_ack_wait_s: float = Field(default=2.0, ge=0)
-    """How long /asample waits for the result, to acknowledge with the exact weight version."""
+    """How long /asample of an `inflight` sampler waits for the result, to acknowledge with the
+    exact weight version (fixed-weights samplers are acknowledged at once)."""
     submit_timeout_s: float = Field(default=300.0, gt=0)
     """Longest a backend call may take to accept a request, in seconds."""
     result_timeout_s: float = Field(default=3600.0, gt=0)

@@ -14,9 +14,12 @@ Protocol facts this module relies on (tinker 0.38):
   named save whose result has the `tinker://` path.
 - `asample` must be acknowledged with `sample_sequence_ids` (one per sample); the SDK overwrites
   the sequences' ids with them. Ours are `make_sequence_id(<sampler id>, <version>, seq_id * 1024
-  + i)`: the version is the one the sample ran on when the result is ready within
-  `sample_ack_wait_s`, else the sampler's version when it was created (a lower bound for
-  `inflight` samplers, exact for snapshots).
+  + i)`. A fixed-weights sampler (snapshot, checkpoint path, base model) is acknowledged as soon
+  as the sample is submitted, with its version at creation, which is exact (checked again on the
+  result); the SDK's `/retrieve_future` long poll then runs while the sample does and returns
+  the moment it is ready. An `inflight` sampler's ack waits up to `sample_ack_wait_s` for the
+  result so its ids carry the version the sample ran on (else the version at creation, a lower
+  bound).
 - `compute_logprobs` is an `asample` with `prompt_logprobs` and optional
   `prompt_logprobs_last_n`; the last-n cut is applied here.
 """
@@ -74,6 +77,18 @@ def backend_error(error: Exception) -> WireError:
     if isinstance(error, RequestError | ValueError):
         return WireError(f"{type(error).__name__}: {error}")
     return WireError(f"backend error: {type(error).__name__}: {error}", 500)
+
+
+def _check_fixed_version(resp: types.SampleResponse, version: int, sampler_id: str) -> None:
+    """A fixed-weights sampler's ids were acknowledged with `version` before it ran: a sample
+    that reports another version would make those ids wrong, so it fails loudly instead."""
+    for i, seq in enumerate(resp.sequences):
+        ran = sampled_version(seq)
+        if ran is not None and ran != version:
+            raise RuntimeError(
+                f"sequences[{i}]: sampler {sampler_id} has fixed weights of version {version} "
+                f"but the sample ran on version {ran}"
+            )
 
 
 def _settle(target: asyncio.Future[Any], source: asyncio.Future[Any] | Any) -> None:
@@ -324,7 +339,8 @@ class ServeService:
 
         def admit() -> None:
             self.registry.samplers[sampler_id] = SamplerSlot(
-                sampler_id, session_id, payload, client, None, None, SeenIds(sampler_id)
+                sampler_id, session_id, payload, client, None, None, SeenIds(sampler_id),
+                fixed_weights=req.kind != "inflight",
             )
 
         def submit(training_client: Any) -> Any:
@@ -449,8 +465,11 @@ class ServeService:
             self.store.discard(request_id)
             raise backend_error(e) from e
         result = asyncio.ensure_future(await_backend(submitted, self.limits.result_timeout_s))
+        created_version = getattr(client, "version", 0)
 
         def encode(resp: types.SampleResponse) -> Outcome:
+            if slot.fixed_weights:
+                _check_fixed_version(resp, created_version, slot.sampler_id)
             if last_n is not None and resp.prompt_logprobs is not None:
                 values = list(resp.prompt_logprobs)
                 cut = len(values) - last_n
@@ -460,15 +479,18 @@ class ServeService:
             return Outcome(proto.encode_sample_response(resp), PROTO)
 
         self.store.start(request_id, result, encode)
-        # Wait (briefly) so the ids can carry the version the sample ran on; a failure here is
-        # the request's result, reported through /retrieve_future like any other.
-        await asyncio.wait({result}, timeout=self.limits.sample_ack_wait_s)
-        versions = [getattr(client, "version", 0)] * req.num_samples
-        if result.done() and not result.cancelled() and result.exception() is None:
-            done = [sampled_version(s) for s in result.result().sequences]
-            versions = [v if d is None else d for v, d in zip(versions, done, strict=False)]
-        ids = [make_sequence_id(slot.sampler_id, v, req.seq_id * MAX_SAMPLES_PER_REQUEST + i)
-               for i, v in enumerate(versions)]
+        versions = [created_version] * req.num_samples
+        if not slot.fixed_weights:
+            # An inflight sample may start on newer weights than the client's: wait (briefly) so
+            # the ids carry the version it ran on. A failure here is the request's result,
+            # reported through /retrieve_future like any other. A fixed-weights sampler is acked
+            # at once (the SDK's long poll then overlaps the sampling): its version is exact.
+            await asyncio.wait({result}, timeout=self.limits.sample_ack_wait_s)
+            if result.done() and not result.cancelled() and result.exception() is None:
+                done = [sampled_version(s) for s in result.result().sequences]
+                versions = [v if d is None else d for v, d in zip(versions, done, strict=False)]
+        base = req.seq_id * MAX_SAMPLES_PER_REQUEST
+        ids = [make_sequence_id(slot.sampler_id, v, base + i) for i, v in enumerate(versions)]
         return types.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=ids)
 
     # -- futures ---------------------------------------------------------------------------------

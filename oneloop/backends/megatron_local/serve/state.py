@@ -75,6 +75,9 @@ class SamplerSlot:
     base_model: str | None
     model_path: str | None
     seen: SeenIds
+    fixed_weights: bool = True
+    """False for an `inflight` sampler, whose weights may move on while a sample waits; True for
+    snapshots, checkpoint paths and base models (every sample runs on the version at creation)."""
 
 
 class Registry:
