@@ -105,3 +105,31 @@ def test_sample_response_encodes_numpy_and_list_fields_alike():
     back = deserialize_sample_response(encode_sample_response(from_np))
     assert back.sequences[0].tokens == tokens
     assert back.prompt_logprobs == [None, -1.5, -0.25]
+
+
+def test_fast_builders_make_the_objects_the_public_constructors_make():
+    """The decoder builds chunks, model inputs, tensors and datums without re-validating
+    (`serve.fast_types`); with the pinned SDK it must take that path and the objects must be
+    the public constructors' (same fields, same behaviour)."""
+    from oneloop.backends.megatron_local.serve import fast_types
+
+    assert fast_types.FAST
+    ids = TokenIds(np.array([3, 4, 5], np.int32))
+    chunk = fast_types.token_chunk(ids)
+    assert chunk == types.EncodedTextChunk.model_construct(tokens=ids)
+    assert chunk.model_fields_set == {"tokens"} and chunk.type == "encoded_text"
+    model_input = fast_types.model_input([chunk])
+    assert model_input == types.ModelInput(chunks=[chunk]) and model_input.length == 3
+    values = np.array([1.0, 2.0, 0.5], np.float32)
+    tensor = fast_types.tensor(values, "float32", [3])
+    public = types.TensorData(data=values, dtype="float32", shape=[3])
+    assert vars(tensor) == vars(public) and tensor.to_numpy() is values
+    grid = fast_types.tensor(np.arange(6, dtype=np.int64), "int64", [2, 3])
+    assert grid.to_numpy().shape == (2, 3) and grid.tolist() == [[0, 1, 2], [3, 4, 5]]
+    read_only = np.frombuffer(values.tobytes(), np.float32)  # the public path copies it
+    assert fast_types.tensor(read_only, "float32", None).to_numpy().flags.writeable
+    datum = fast_types.datum(model_input, {"weights": tensor}, None, None)
+    assert vars(datum) == vars(types.Datum(model_input=model_input,
+                                           loss_fn_inputs={"weights": tensor}))
+    with pytest.raises(AssertionError, match="pair"):
+        fast_types.datum(model_input, {}, [], None)

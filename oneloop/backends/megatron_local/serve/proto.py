@@ -85,7 +85,7 @@ def decode_forward_backward(body: bytes) -> DecodedForwardBackward:
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise WireError(f"loss_fn_config[{key!r}]: must be finite, got {value}")
-    data = decode_data(msg.data)
+    data, num_tokens = decode_data(msg.data)
     return DecodedForwardBackward(
         model_id=msg.model_id,
         seq_id=msg.seq_id,
@@ -93,7 +93,7 @@ def decode_forward_backward(body: bytes) -> DecodedForwardBackward:
         input=types.ForwardBackwardInput(
             data=data, loss_fn=msg.loss_fn, loss_fn_config=config or None  # type: ignore[arg-type]
         ),
-        num_tokens=sum(d.model_input.length for d in data),
+        num_tokens=num_tokens,
     )
 
 

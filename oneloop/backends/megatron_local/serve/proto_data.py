@@ -26,6 +26,7 @@ import numpy as np
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
+from . import fast_types as _fast
 from .wire import WireError
 
 NP_OF_DTYPE = {pb.DTYPE_FLOAT32: np.dtype(np.float32), pb.DTYPE_INT64: np.dtype(np.int64)}
@@ -88,52 +89,57 @@ class _Dense(NamedTuple):
 
 
 _Input = types.TensorData | _Dense
+_ITEMSIZE = {dtype: np_dtype.itemsize for dtype, np_dtype in NP_OF_DTYPE.items()}
+# One datum waiting for its views: (number of token chunks, [(name, _Dense | sparse TensorData)],
+# model_input_spans, loss_fn_input_spans).
+_Pending = tuple[int, list[tuple[str, _Input]], list[Any], list[Any]]
 
 
-def decode_data(msgs: Sequence[pb.Datum]) -> list[types.Datum]:
-    """All datums of a request (see the module docstring for the two passes)."""
+def decode_data(msgs: Sequence[pb.Datum]) -> tuple[list[types.Datum], int]:
+    """All datums of a request and their number of tokens (see the module docstring)."""
     token_parts: list[bytes] = []
-    token_owner: list[tuple[int, int]] = []  # (datum, chunk) of each token part
     dense_parts: dict[int, list[bytes]] = {dtype: [] for dtype in NP_OF_DTYPE}
-    dense_owner: dict[int, list[tuple[int, str]]] = {dtype: [] for dtype in NP_OF_DTYPE}
-    pending: list[tuple[int, dict[str, _Input], list[Any], list[Any]]] = []
+    pending: list[_Pending] = []
+    itemsize = _ITEMSIZE
     for i, msg in enumerate(msgs):
-        n_chunks = 0
-        for j, chunk in enumerate(msg.model_input):
-            kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise WireError(
-                    f"data[{i}].model_input[{j}]: only token (encoded_text) chunks are "
-                    f"supported, got {kind or 'an empty chunk'}"
-                )
-            raw = chunk.encoded_text.tokens
-            if len(raw) % 4:
-                raise WireError(
-                    f"data[{i}].model_input[{j}].tokens: byte length is not a multiple of 4"
-                )
+        chunks = msg.model_input
+        for chunk in chunks:
+            raw = chunk.encoded_text.tokens  # b"" when another arm of the oneof is set
+            if not raw or len(raw) & 3:
+                _check_chunks(msg, i)  # raises unless this is an empty token chunk
             token_parts.append(raw)
-            token_owner.append((i, j))
-            n_chunks += 1
-        if not n_chunks:
+        if not chunks:
             raise WireError(f"data[{i}].model_input: at least one chunk is required")
-        inputs: dict[str, _Input] = {}
+        inputs: list[tuple[str, _Input]] = []
         for name, tensor in msg.loss_fn_inputs.items():
+            raw, dtype, shape = tensor.dense, tensor.dtype, tensor.shape
+            size = len(raw) // itemsize.get(dtype, 1)
+            if raw and dtype in itemsize and size * itemsize[dtype] == len(raw) and (
+                not shape or (len(shape) == 1 and shape[0] == size)
+            ):  # the usual 1-D dense tensor, checked here in a few comparisons
+                dense_parts[dtype].append(raw)
+                inputs.append((name, _Dense(dtype, size, [size] if shape else None)))
+                continue
             plan, raw = _plan_tensor(tensor, i, name)
             if isinstance(plan, _Dense):
                 dense_parts[plan.dtype].append(raw)
-                dense_owner[plan.dtype].append((i, name))
-            inputs[name] = plan
-        spans = [_decode_span(s, f"data[{i}].model_input_spans[{k}]")
-                 for k, s in enumerate(msg.model_input_spans)]  # fmt: skip
-        loss_spans = [_decode_span(s, f"data[{i}].loss_fn_input_spans[{k}]")
-                      for k, s in enumerate(msg.loss_fn_input_spans)]  # fmt: skip
-        if bool(spans) != bool(loss_spans):
-            raise WireError(f"data[{i}]: model_input_spans and loss_fn_input_spans come as a pair")
-        pending.append((n_chunks, inputs, spans, loss_spans))
+            inputs.append((name, plan))
+        spans: list[Any] = []
+        loss_spans: list[Any] = []
+        if msg.model_input_spans or msg.loss_fn_input_spans:
+            spans = [_decode_span(s, f"data[{i}].model_input_spans[{k}]")
+                     for k, s in enumerate(msg.model_input_spans)]  # fmt: skip
+            loss_spans = [_decode_span(s, f"data[{i}].loss_fn_input_spans[{k}]")
+                          for k, s in enumerate(msg.loss_fn_input_spans)]  # fmt: skip
+            if bool(spans) != bool(loss_spans):
+                raise WireError(
+                    f"data[{i}]: model_input_spans and loss_fn_input_spans come as a pair"
+                )
+        pending.append((len(chunks), inputs, spans, loss_spans))
 
     tokens = np.frombuffer(b"".join(token_parts), dtype=np.int32)  # read-only, shared by views
     if tokens.size and int(tokens.min()) < 0:
-        i, j = token_owner[_part_of(token_parts, 4, int(np.argmax(tokens < 0)))]
+        i, j = _token_owner(pending, _part_of(token_parts, 4, int(np.argmax(tokens < 0))))
         raise WireError(f"data[{i}].model_input[{j}].tokens: token ids must be >= 0")
     values: dict[int, np.ndarray] = {}
     for dtype, parts in dense_parts.items():
@@ -143,13 +149,50 @@ def decode_data(msgs: Sequence[pb.Datum]) -> list[types.Datum]:
     floats = values[pb.DTYPE_FLOAT32]
     if floats.size and not np.isfinite(floats).all():
         bad = int(np.argmax(~np.isfinite(floats)))
-        i, name = dense_owner[pb.DTYPE_FLOAT32][_part_of(dense_parts[pb.DTYPE_FLOAT32], 4, bad)]
+        part = _part_of(dense_parts[pb.DTYPE_FLOAT32], 4, bad)
+        i, name = _dense_owner(pending, pb.DTYPE_FLOAT32, part)
         raise WireError(f"data[{i}].loss_fn_inputs[{name!r}]: values must be finite")
-    return _assemble(pending, tokens, [len(p) // 4 for p in token_parts], values)
+    data = _assemble(pending, tokens, [len(p) >> 2 for p in token_parts], values)
+    return data, int(tokens.size)
+
+
+def _check_chunks(msg: pb.Datum, i: int) -> None:
+    """Raise for the first chunk of datum `i` that is not a token chunk of whole int32s."""
+    for j, chunk in enumerate(msg.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise WireError(
+                f"data[{i}].model_input[{j}]: only token (encoded_text) chunks are "
+                f"supported, got {kind or 'an empty chunk'}"
+            )
+        if len(chunk.encoded_text.tokens) % 4:
+            raise WireError(
+                f"data[{i}].model_input[{j}].tokens: byte length is not a multiple of 4"
+            )
+
+
+def _token_owner(pending: list[_Pending], part: int) -> tuple[int, int]:
+    """(datum, chunk) of the `part`-th token chunk of the request."""
+    for i, (n_chunks, *_) in enumerate(pending):
+        if part < n_chunks:
+            return i, part
+        part -= n_chunks
+    raise AssertionError("token part out of range")
+
+
+def _dense_owner(pending: list[_Pending], dtype: int, part: int) -> tuple[int, str]:
+    """(datum, input name) of the `part`-th dense tensor of `dtype` in the request."""
+    for i, (_, inputs, *_) in enumerate(pending):
+        for name, plan in inputs:
+            if isinstance(plan, _Dense) and plan.dtype == dtype:
+                if not part:
+                    return i, name
+                part -= 1
+    raise AssertionError("dense part out of range")
 
 
 def _assemble(
-    pending: list[tuple[int, dict[str, _Input], list[Any], list[Any]]],
+    pending: list[_Pending],
     tokens: np.ndarray,
     chunk_sizes: list[int],
     values: dict[int, np.ndarray],
@@ -160,26 +203,22 @@ def _assemble(
     for i, (n_chunks, inputs, spans, loss_spans) in enumerate(pending):
         chunks = []
         for size in chunk_sizes[chunk_index : chunk_index + n_chunks]:
-            ids = TokenIds(tokens[token_at : token_at + size])
-            # Checked above (int32, >= 0): model_construct skips pydantic's walk over every id.
-            chunks.append(types.EncodedTextChunk.model_construct(tokens=ids))
+            # Checked above (int32, >= 0): no pydantic walk over every id.
+            chunks.append(_fast.token_chunk(TokenIds(tokens[token_at : token_at + size])))
             token_at += size
         chunk_index += n_chunks
-        for name, plan in inputs.items():
+        tensors: dict[str, types.TensorData] = {}
+        for name, plan in inputs:
             if isinstance(plan, _Dense):
                 at = value_at[plan.dtype]
                 value_at[plan.dtype] = at + plan.size
                 view = values[plan.dtype][at : at + plan.size]
-                inputs[name] = types.TensorData(
-                    data=view, dtype=NAME_OF_DTYPE[plan.dtype], shape=plan.shape  # type: ignore[arg-type]
-                )
+                tensors[name] = _fast.tensor(view, NAME_OF_DTYPE[plan.dtype], plan.shape)
+            else:
+                tensors[name] = plan
         try:
-            data.append(types.Datum(
-                model_input=types.ModelInput(chunks=chunks),
-                loss_fn_inputs=inputs,  # type: ignore[arg-type]  # every _Dense replaced above
-                model_input_spans=spans or None,
-                loss_fn_input_spans=loss_spans or None,
-            ))  # fmt: skip
+            data.append(_fast.datum(_fast.model_input(chunks), tensors, spans or None,
+                                    loss_spans or None))  # fmt: skip
         except (ValueError, TypeError, AssertionError) as e:
             raise WireError(f"data[{i}]: {e}") from e
     return data
