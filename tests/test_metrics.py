@@ -245,3 +245,33 @@ def test_empty_metrics_writes_nothing_and_missing_file_is_an_error(tmp_path):
     assert write_plots(tmp_path) == []
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         write_plots(tmp_path / "nope")
+
+
+def test_backend_counters_give_per_step_restarts_on_local_and_nothing_on_tinker(local_service):
+    """`backend/sampler_restarts` per step from the local backend's hook (a real Ray restart of
+    its sampler actor); the tinker SDK's ServiceClient has no hook, so no `backend/` keys."""
+    import asyncio
+    import time
+
+    import ray
+    import tinker
+
+    from oneloop.loop.metrics import BackendCounters, ReportsBackendMetrics
+
+    assert not issubclass(tinker.ServiceClient, ReportsBackendMetrics)
+    assert asyncio.run(BackendCounters(object()).step_metrics(5.0)) == {}
+    actor = local_service.sampler_actor(local_service.resolve_model("oneloop/tiny-qwen3"))
+    ray.get(actor.ready.remote(), timeout=300)
+    counters = BackendCounters(local_service)
+    asyncio.run(counters.step_metrics(30.0))  # restarts before now (other tests) are not ours
+    ray.kill(actor, no_restart=False)  # a crash: Ray restarts the actor
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=300)
+            break
+        except ray.exceptions.ActorUnavailableError:  # still restarting
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert asyncio.run(counters.step_metrics(30.0)) == {"backend/sampler_restarts": 1.0}
+    assert asyncio.run(counters.step_metrics(30.0)) == {"backend/sampler_restarts": 0.0}
