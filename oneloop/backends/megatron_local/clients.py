@@ -699,7 +699,7 @@ class LocalServiceClient:
         crash (OOM, a killed process); clients re-install their weights on the new actor and
         resubmit, so an in-flight sample is retried, not failed. Blocking (one GCS read).
         """
-        restarts = sum(actor_restarts(a) for a in self._samplers.values())
+        restarts = sum(actor_restarts(a) for a in list(self._samplers.values()))  # a snapshot
         return {"backend/sampler_restarts": float(restarts)}
 
     def close(
