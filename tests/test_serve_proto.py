@@ -234,3 +234,43 @@ def test_arbitrary_bytes_never_crash_the_decoder(body):
         decode_forward_backward(body)
     except WireError as e:
         assert e.status == 400
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 40),  # sequences (16 and more take the byte-matrix encoder)
+    st.integers(0, 300),  # tokens each (varint lengths of 1 and 2 bytes)
+    st.booleans(),  # logprobs
+    st.lists(st.sampled_from(["stop", "length"]), min_size=1, max_size=3),
+    st.sampled_from([None, [None, -1.5, -0.25]]),
+    st.integers(-(2**31), 2**31 - 1),
+    st.booleans(),  # one sequence a token shorter (not uniform)
+)
+def test_sample_response_bytes_parse_to_the_expected_message(
+    n, length, with_logprobs, stops, prompt, hits, ragged
+):
+    """Whichever encoder a response takes (byte matrix for uniform batches, generated class
+    otherwise), the bytes parse to the message the fields describe, presence included."""
+    rng = np.random.default_rng(n * 1000 + length)
+    sequences, want = [], pb.SampleResponse(prompt_cache_hit_tokens=hits)
+    for i in range(n):
+        size = length - 1 if ragged and i == n - 1 and length else length
+        tokens = rng.integers(0, 2**31 - 1, size).astype(np.int32)
+        logprobs = -rng.random(size, dtype=np.float32) if with_logprobs else None
+        stop = stops[i % len(stops)]
+        sequences.append(types.SampledSequence(stop_reason=stop, sequence_id=f"x/v1/{i}",
+                                               tokens_np=tokens, logprobs_np=logprobs))
+        seq = want.sequences.add(tokens=tokens.tobytes(), stop_reason=pb.STOP_REASON_STOP
+                                 if stop == "stop" else pb.STOP_REASON_LENGTH)
+        if logprobs is not None:
+            seq.logprobs = logprobs.tobytes()
+    if prompt is not None:
+        want.prompt_logprobs = np.array([math.nan, *prompt[1:]], np.float32).tobytes()
+    resp = types.SampleResponse(sequences=sequences, _prompt_logprobs_list=prompt,
+                                prompt_cache_hit_tokens=hits)
+    body = encode_sample_response(resp)
+    assert pb.SampleResponse.FromString(body) == want
+    back = deserialize_sample_response(body)
+    assert [s.tokens for s in back.sequences] == [s.tokens_np.tolist() for s in sequences]
+    assert [s.stop_reason for s in back.sequences] == [s.stop_reason for s in sequences]
+    assert back.prompt_logprobs == prompt and back.prompt_cache_hit_tokens == hits
