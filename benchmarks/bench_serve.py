@@ -17,7 +17,9 @@ Measures, in one run on the same machine and backend:
   * sample result, a token = one sampled token (int32 id + float32 logprob): the server's
     `encode_sample_response` and the SDK's `deserialize_sample_response`, one message per
     `--codec-sample-shapes` entry, labelled `sample_<samples>x<tokens>` (default `64x32`, the
-    benchmarked call's size, and `64x1024`, a realistic rollout size).
+    benchmarked call's size, and `64x1024`, a realistic rollout size, every sequence of that
+    length as when samples run to max_tokens; and `64x1024r`, lengths ragged in [512, 1024] as
+    when samples stop early).
   The round trip of a message is tokens / (encode s + decode s); the goal is >= 200 M tokens/s.
   The SDK's halves are the unmodified SDK's code: this project cannot change them.
 
@@ -166,44 +168,53 @@ def synthetic_output(data: list[types.Datum], seed: int = 0) -> types.ForwardBac
                                         per_datum_loss=[1.0] * len(data)))  # fmt: skip
 
 
-def synthetic_sample(num_samples: int, max_tokens: int, seed: int = 0) -> types.SampleResponse:
-    """A sample response of `num_samples` x `max_tokens` tokens, `SampledSequence`s with numpy
-    fields as `LocalSamplingClient` makes them."""
+def synthetic_sample(num_samples: int, max_tokens: int, ragged: bool = False,
+                     seed: int = 0) -> types.SampleResponse:
+    """A sample response of `num_samples` sequences of `max_tokens` tokens (`ragged`: lengths
+    drawn from [max_tokens / 2, max_tokens], as when samples stop early), `SampledSequence`s
+    with numpy fields as `LocalSamplingClient` makes them."""
     rng = np.random.default_rng(seed)
+    lengths = (rng.integers(max(1, max_tokens // 2), max_tokens + 1, num_samples) if ragged
+               else np.full(num_samples, max_tokens))  # fmt: skip
     sequences = [
         types.SampledSequence(
-            stop_reason="length", sequence_id=f"bench/v1/{i}",
-            tokens_np=rng.integers(300, 1000, max_tokens).astype(np.int32),
-            logprobs_np=-rng.random(max_tokens, dtype=np.float32),
+            stop_reason="stop" if ragged else "length", sequence_id=f"bench/v1/{i}",
+            tokens_np=rng.integers(300, 1000, n).astype(np.int32),
+            logprobs_np=-rng.random(n, dtype=np.float32),
         )
-        for i in range(num_samples)
+        for i, n in enumerate(lengths)
     ]  # fmt: skip
     return types.SampleResponse(sequences=sequences)
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """`64x32,64x1024` -> [(64, 32), (64, 1024)] (samples x tokens per sample)."""
+def parse_shapes(text: str) -> list[tuple[int, int, bool]]:
+    """`64x32,64x1024r` -> [(64, 32, False), (64, 1024, True)] (samples x tokens per sample;
+    a trailing `r`: ragged lengths, see `synthetic_sample`)."""
     shapes = []
     for part in text.split(","):
         n, _, t = part.strip().partition("x")
+        ragged = t.endswith("r")
+        t = t.removesuffix("r")
         if not (n.isdigit() and t.isdigit() and int(n) > 0 and int(t) > 0):
-            raise SystemExit(f"--codec-sample-shapes: expected NxT[,NxT...], got {part!r}")
-        shapes.append((int(n), int(t)))
+            raise SystemExit(f"--codec-sample-shapes: expected NxT[r][,NxT[r]...], got {part!r}")
+        shapes.append((int(n), int(t), ragged))
     return shapes
 
 
 def sample_messages(
-    shapes: list[tuple[int, int]],
+    shapes: list[tuple[int, int, bool]],
     measured: types.SampleResponse | None = None,
     measured_shape: tuple[int, int] | None = None,
 ) -> dict[str, types.SampleResponse]:
-    """One sample response per shape, labelled `sample_<N>x<T>` (N samples x T tokens each);
-    the shape the run really sampled uses that real response."""
+    """One sample response per shape, labelled `sample_<N>x<T>` (N samples x T tokens each,
+    all of length T) or `sample_<N>x<T>r` (ragged lengths); the shape the run really sampled
+    uses that real response."""
     return {
-        f"sample_{n}x{t}": measured if measured is not None and (n, t) == measured_shape
-        else synthetic_sample(n, t)
-        for n, t in shapes
-    }
+        f"sample_{n}x{t}{'r' if ragged else ''}":
+        measured if measured is not None and (n, t) == measured_shape and not ragged
+        else synthetic_sample(n, t, ragged)
+        for n, t, ragged in shapes
+    }  # fmt: skip
 
 
 def sample_paths(args: argparse.Namespace, via_serve: Any, in_process: Any
@@ -252,9 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=TINY_MODEL_NAME)
     parser.add_argument("--codec-repeats", type=int, default=5,
                         help="timed repeats of each codec half (median)")
-    parser.add_argument("--codec-sample-shapes", default="64x32,64x1024",
+    parser.add_argument("--codec-sample-shapes", default="64x32,64x1024,64x1024r",
                         help="sample-response messages timed by the codec part, as "
-                             "SAMPLESxTOKENS[,...] (each labelled sample_<S>x<T>)")
+                             "SAMPLESxTOKENS[r][,...], labelled sample_<S>x<T>[r]; r = ragged "
+                             "lengths in [T/2, T] (samples that stopped early)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--codec-only", action="store_true",
                       help="time only the protobuf codecs (no server, no training steps)")
