@@ -144,6 +144,21 @@ def test_zstd_bodies_and_decompression_limit(backend):
         assert plain.status_code == 415
 
 
+def test_server_thread_connections_have_nagle_off(backend):
+    """Regression: `ServerThread` bound its own socket with proto 0, so asyncio left Nagle on
+    for accepted connections and a response written as headers + body waited ~40 ms for the
+    client's delayed ACK (every other `sample` in bench_serve)."""
+    import socket
+
+    with ServerThread(ServeConfig(port=0), backend) as server, httpx.Client() as client:
+        assert client.get(f"{server.base_url}/api/v1/healthz", timeout=30).is_success
+        connections = server._server.server_state.connections
+        assert connections
+        for connection in connections:
+            sock = connection.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
 def test_oneloop_serve_command_serves_and_stops(tmp_path):
     """`oneloop serve` as a subprocess: answers /healthz on loopback, exits cleanly on SIGINT."""
     import signal

@@ -141,8 +141,14 @@ class ServerThread:
     def __init__(self, config: ServeConfig, backend: Any) -> None:
         # Builds (and checks the bind policy) before binding anything.
         self._server, self.service = _uvicorn(config, backend)
-        self._sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        # proto=IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on accepted sockets
+        # whose proto says TCP, and a socket made with proto 0 passes 0 on to them. With Nagle
+        # on, a response written as headers + body waited for the client's delayed ACK (~40 ms
+        # on every other /retrieve_future in bench_serve --sample-only).
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.bind((config.host, config.port))
         self.port = self._sock.getsockname()[1]
         host = f"[{config.host}]" if ":" in config.host else config.host
