@@ -1,9 +1,13 @@
-"""Hugging Face → vLLM parameter layout, flat packing and the IPC wire form (CPU, no vLLM)."""
+"""Hugging Face → vLLM parameter layout, flat packing, the IPC and NCCL wire forms (CPU, no vLLM)."""
+
+import json
 
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from oneloop.backends.config import parse_backend_config
+from oneloop.backends.megatron_local.engines.nccl_sync import NcclWeights
 from oneloop.backends.megatron_local.engines.weight_layout import (
     ALIGN_BYTES,
     CudaIpcWeights,
@@ -13,6 +17,7 @@ from oneloop.backends.megatron_local.engines.weight_layout import (
     pack_flat,
     unpack_flat,
 )
+from oneloop.errors import ConfigError
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 2, 4, 2, 16, 96, 300
 
@@ -166,3 +171,23 @@ def test_ipc_weights_wire_form_round_trips() -> None:
 def test_ipc_needs_a_cuda_uint8_buffer() -> None:
     with pytest.raises(ValueError, match="1-D CUDA uint8 buffer"):
         make_ipc_weights(torch.zeros(8, dtype=torch.uint8), [], version=1)
+
+
+def test_nccl_weights_wire_form_round_trips_and_checks_into() -> None:
+    entries = (
+        FlatEntry("model.norm.weight", "bfloat16", (64,), 0),
+        FlatEntry("lm_head.weight", "bfloat16", (32, 64), 256),
+    )
+    weights = NcclWeights("weights:m", 4352, entries, version=7, into="buffer")
+    wire = weights.to_wire()
+    assert json.loads(json.dumps(wire)) == wire  # plain types only: vLLM's RPC carries it
+    assert NcclWeights.from_wire(wire) == weights
+    with pytest.raises(ValueError, match="into must be one of"):
+        NcclWeights("weights:m", 4352, entries, version=7, into="somewhere")
+
+
+def test_gpu_weight_sync_needs_the_vllm_sampler() -> None:
+    with pytest.raises(ConfigError, match=r"backend\.local.*weight_sync=nccl.*sampler_engine=vllm"):
+        parse_backend_config({"local": {"weight_sync": "nccl", "sampler_engine": "torch"}})
+    config = parse_backend_config({"local": {"weight_sync": "nccl", "sampler_engine": "vllm"}})
+    assert config.local.weight_sync == "nccl"

@@ -7,7 +7,7 @@ A sub-config is only read by its backend: `local` by `megatron_local`, `tinker` 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from oneloop.errors import ConfigError
 
@@ -75,13 +75,23 @@ class LocalBackendConfig(_Strict):
     """GPUs Ray reserves per trainer actor (0.5 + 0.5 colocates trainer and sampler on one GPU)."""
     gpus_per_sampler: float = Field(default=0.0, ge=0)
     """GPUs Ray reserves per sampler actor."""
-    weight_sync: Literal["auto", "object_store", "cuda_ipc"] = "auto"
-    """Trainer → sampler weights: numpy through Ray's object store, or CUDA IPC into the vLLM
-    engine's parameter storage (same host); auto = cuda_ipc for vllm with a CUDA trainer."""
+    weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
+    """Trainer → sampler weights: numpy through Ray's object store, CUDA IPC into the vLLM
+    engine's parameter storage (trainer and sampler on the same GPU), or NCCL into that storage
+    (another GPU); auto = for vllm with a CUDA trainer, cuda_ipc or nccl by the actors' GPUs."""
     megatron: MegatronSettings = MegatronSettings()
     """Settings of the megatron trainer engine."""
     vllm: VllmSettings = VllmSettings()
     """Settings of the vllm sampler engine."""
+
+    @model_validator(mode="after")
+    def _gpu_sync_needs_vllm(self) -> "LocalBackendConfig":
+        if self.weight_sync in ("cuda_ipc", "nccl") and self.sampler_engine != "vllm":
+            raise ValueError(
+                f"weight_sync={self.weight_sync} writes into the vLLM engine's parameters: it "
+                f"needs sampler_engine=vllm (got {self.sampler_engine!r}); use auto or object_store"
+            )
+        return self
 
 
 class TinkerBackendConfig(_Strict):

@@ -9,7 +9,9 @@
 #   setup_moe carry [".w5"]          optional: vLLM's MoE kernels (scripts/device/prepare_moe_part.sh)
 #   megatron                         megatron-vs-torch parity test, save/load test, MFU bench
 #   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
-#   e2e                              the whole local backend on Ray (megatron + vllm, CUDA IPC)
+#   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
+#                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL)
+#   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -19,6 +21,7 @@ stage="${1:?stage}"
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0 RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0  # no NVLink multicast on the lent machines (device KINDS.md)
 export OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT" /tmp/site /tmp/w /tmp/models
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@"; }
@@ -50,6 +53,11 @@ case "$stage" in
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
   e2e)
-    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_local_gpu_backend.py 2>&1 | tail -60 ;;
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_local_gpu_backend.py > "$OUT/e2e.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/e2e.log" | tail -20; tail -30 "$OUT/e2e.log" ;;
+  nccl)
+    python3 benchmarks/gpu_nccl_sync.py --model-dir /tmp/models/qwen3-0.6b > "$OUT/nccl.log" 2>&1 \
+      || tail -40 "$OUT/nccl.log"
+    grep RESULT "$OUT/nccl.log" | tail -20 ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,10 +1,14 @@
-"""The whole local backend on one GPU: Ray, a `megatron` trainer actor and a `vllm` sampler actor
-(colocated, 0.5 GPU each, weights over CUDA IPC), driven through the Tinker client surface with
-the SFT-then-RL call sequence of the parity test.
+"""The whole local backend on GPU: Ray, a `megatron` trainer actor and a `vllm` sampler actor,
+driven through the Tinker client surface with the SFT-then-RL call sequence of the parity test.
+Two placements: `colocated` (one GPU, weights over CUDA IPC) and `two_gpus` (trainer and sampler
+on different GPUs, weights over NCCL; needs 2 GPUs); `weight_sync: auto` picks the path.
 
 Checks: vLLM's sampled-token logprobs equal the trainer's target logprobs on the same tokens
 (mean |Δ| ≤ 0.01, bf16) before and after an in-flight sync; requests in flight during the sync all
-complete with every token. Device only; figures → $OUT/local_gpu_backend.json.
+complete with every token; the sampler records the expected sync path; `save_state` then
+`create_training_client_from_state_with_optimizer` gives a trainer whose forward loss, and whose
+loss after one more identical step, equal the original's. Device only; figures →
+$OUT/local_gpu_backend_<placement>.json.
 """
 
 import concurrent.futures
@@ -63,7 +67,23 @@ def logprob_gap(trainer, prompt: list[int], sequences) -> np.ndarray:
     return np.concatenate(gaps)
 
 
-def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory) -> None:
+# placement → (GPUs per trainer, GPUs per sampler, expected sync path); a restored trainer takes
+# another trainer's share next to the first.
+PLACEMENTS = {"colocated": (0.25, 0.5, "ipc"), "two_gpus": (0.5, 1.0, "nccl")}
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placement) -> None:
+    if placement == "two_gpus" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()  # each placement starts its own cluster (fresh GPU accounting)
+    # Colocated: a cluster of one GPU, so Ray cannot spread the actors over two.
+    ray.init(num_gpus=1 if placement == "colocated" else 2, include_dashboard=False)
+    gpus_trainer, gpus_sampler, sync_path = PLACEMENTS[placement]
+    name = f"local_gpu_backend_{placement}"
     path = model_dir(tmp_path_factory.mktemp("model"))
     config = BackendConfig(
         backend="local",
@@ -73,8 +93,8 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory) -> Non
             trainer_engine="megatron",
             sampler_engine="vllm",
             dtype="bfloat16",
-            gpus_per_trainer=0.5,
-            gpus_per_sampler=0.5,
+            gpus_per_trainer=gpus_trainer,
+            gpus_per_sampler=gpus_sampler,
             vllm=VllmSettings(gpu_memory_utilization=0.35, max_model_len=2048),
         ),
     )
@@ -98,7 +118,7 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory) -> Non
     group = sampler.sample(types.ModelInput.from_ints(prompt), 8, params).result()
     gap = logprob_gap(trainer, prompt, group.sequences)
     figures["gap_after_sft"] = {"mean": float(gap.mean()), "max": float(gap.max())}
-    record("local_gpu_backend", figures)  # recorded as it goes: a later failure keeps these
+    record(name, figures)  # recorded as it goes: a later failure keeps these
 
     # RL step on the sampled group (group-relative advantages of a made-up reward).
     rewards = np.array([len(set(s.tokens)) for s in group.sequences], np.float32)
@@ -144,9 +164,28 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory) -> Non
     after = synced.sample(types.ModelInput.from_ints(prompt), 8, params).result()
     gap = logprob_gap(trainer, prompt, after.sequences)
     figures["gap_after_inflight_sync"] = {"mean": float(gap.mean()), "max": float(gap.max())}
-    record("local_gpu_backend", figures)
+    record(name, figures)
+    (sampler_actor,) = service._samplers.values()  # one base model, one sampler
+    history = ray.get(sampler_actor.sync_history.remote(), timeout=60)
+    figures["sync_history"] = history
+    assert [h["path"] for h in history] == [sync_path] * 2, history
+
     saved = trainer.save_state("final").result()
     figures["saved"] = saved.path
-    record("local_gpu_backend", figures)
+    restored = service.create_training_client_from_state_with_optimizer(saved.path).result()
+    probe = [sft_datum(np.random.default_rng(5), 256) for _ in range(4)]
+    figures["restored_loss"] = [
+        c.forward(probe, "cross_entropy").result().metrics["loss:sum"] for c in (trainer, restored)
+    ]
+    for client in (trainer, restored):  # one more identical SFT step on each
+        client.forward_backward([sft_datum(np.random.default_rng(6), 256) for _ in range(8)],
+                                "cross_entropy").result()  # fmt: skip
+        client.optim_step(ADAM).result()
+    losses = [c.forward(probe, "cross_entropy").result().metrics["loss:sum"]
+              for c in (trainer, restored)]  # fmt: skip
+    figures["restored_loss_after_step"] = losses
+    record(name, figures)
+    assert figures["restored_loss"][0] == figures["restored_loss"][1]  # the same weights
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)  # and the same optimizer state
     assert figures["gap_after_sft"]["mean"] <= GAP_TOLERANCE
     assert figures["gap_after_inflight_sync"]["mean"] <= GAP_TOLERANCE

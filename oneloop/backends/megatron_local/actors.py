@@ -4,7 +4,8 @@ The trainer actor is a plain (single-threaded) actor, so a model's calls run in 
 The sampler actor is an async actor: many `sample` calls queue at once while one engine call runs in
 a worker thread behind a FIFO lock, so weight updates take effect between requests and the actor's
 event loop never blocks. Weights travel trainer → sampler through the Ray object store (numpy
-arrays, zero-copy on the reading side); each sync bumps the trainer's version.
+arrays, zero-copy on the reading side), or on GPUs in vLLM's parameter layout over CUDA IPC (same
+GPU) or NCCL (another GPU); each sync bumps the trainer's version.
 """
 
 import asyncio
@@ -45,6 +46,7 @@ class TrainerActor:
         self.engine = make_trainer_engine(local, Path(model_path), lora)
         self.sync_version = 0
         self._shared_buffer = None  # the last CUDA IPC weight buffer, alive until the next export
+        self._senders: dict = {}  # NCCL weight groups this trainer hosts, by name
 
     def ready(self) -> bool:
         return True
@@ -61,20 +63,60 @@ class TrainerActor:
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         return self.engine.optim_step(adam_params)
 
-    def export_sampler_weights(self, layout: list | None = None) -> tuple[int, Any]:
+    def gpu_uuid(self) -> str | None:
+        """The UUID of the GPU this actor's engine runs on (None on CPU)."""
+        from oneloop.backends.megatron_local.engines.weight_layout import gpu_uuid
+
+        return gpu_uuid()
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where this trainer will host an NCCL weight group: (node IP, a free port)."""
+        from oneloop.backends.megatron_local.engines.nccl_sync import free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def open_weight_group(self, name: str, host: str, port: int) -> None:
+        """Host NCCL weight group `name` as rank 0 (the sampler joins at the same time)."""
+        import torch
+
+        from oneloop.backends.megatron_local.engines.nccl_sync import NcclSender
+
+        old = self._senders.pop(name, None)
+        if old is not None:
+            old.close()
+        device = torch.device("cuda", torch.cuda.current_device())  # NCCL wants an index
+        self._senders[name] = NcclSender(name, host, port, device)
+
+    def export_sampler_weights(
+        self, layout: list | None = None, group: str | None = None
+    ) -> tuple[int, Any]:
         """Bump the sync version and return it with the full sampler weights: numpy arrays, or —
-        given the sampler's parameter `layout` — one CUDA IPC buffer already in that layout, which
-        the sampler copies straight into its parameters (the buffer lives until the next export)."""
+        given the sampler's parameter `layout` — one CUDA buffer already in that layout, shared
+        over CUDA IPC (same GPU) or, given an open NCCL weight `group`, queued on it for the
+        sampler to receive (another GPU). Either way the sampler writes straight into its
+        parameters; the buffer lives until the next export (IPC) or until received (NCCL)."""
         self.sync_version += 1
         if layout is None:
             return self.sync_version, self.engine.sampler_weights()
-        from oneloop.backends.megatron_local.engines.weight_layout import pack_for_engine
+        from oneloop.backends.megatron_local.engines.weight_layout import (
+            hf_to_vllm_layout,
+            make_ipc_weights,
+            pack_flat,
+        )
 
         hf = self.engine.hf_weights()  # type: ignore[attr-defined]  (CUDA engines only)
         device = next(iter(hf.values())).device
+        if group is not None:
+            sender = self._senders.get(group)
+            if sender is None:
+                raise RuntimeError(f"no NCCL weight group {group!r} on this trainer")
+            sender.wait_sent()  # the previous buffer is released before a new one is packed
+            buffer, entries = pack_flat(hf_to_vllm_layout(hf, layout), device)
+            return self.sync_version, sender.send(buffer, entries, self.sync_version)
         self._shared_buffer = None
-        self._shared_buffer, handle = pack_for_engine(hf, layout, device, self.sync_version)
-        return self.sync_version, handle
+        self._shared_buffer, entries = pack_flat(hf_to_vllm_layout(hf, layout), device)
+        return self.sync_version, make_ipc_weights(self._shared_buffer, entries, self.sync_version)
 
     def save_state(self, directory: str, meta: dict, with_optimizer: bool = True) -> None:
         path = Path(directory)
@@ -124,6 +166,23 @@ class SamplerActor:
         if not hasattr(self.engine, "param_layout"):
             return None
         return await asyncio.to_thread(self.engine.param_layout)
+
+    async def sync_history(self) -> list[dict]:
+        """Phase timings of every weight update the engine recorded (empty if it keeps none)."""
+        from dataclasses import asdict
+
+        return [asdict(r) for r in getattr(self.engine, "sync_history", [])]
+
+    async def gpu_uuid(self) -> str | None:
+        from oneloop.backends.megatron_local.engines.weight_layout import gpu_uuid
+
+        return gpu_uuid()
+
+    async def open_weight_group(self, name: str, host: str, port: int) -> str:
+        """Join a trainer's NCCL weight group `name` (the trainer opens it at the same time)."""
+        if not hasattr(self.engine, "open_weight_group"):
+            raise RuntimeError("NCCL weight sync needs local.sampler_engine=vllm")
+        return await asyncio.to_thread(self.engine.open_weight_group, name, host, port, 2, 1)
 
     async def set_weights(self, key: str, payload: tuple[int, dict[str, np.ndarray]]) -> int:
         """Install `payload` as `key` unless a newer version is already there; returns the

@@ -437,7 +437,8 @@ class LocalTrainingClient:
             else f"snapshot:{self.model_id}:{next(self._snapshots)}"
         )
         sampler = self._service.sampler_actor(self._model_dir)
-        payload = self._actor.export_sampler_weights.remote(self._service.sync_layout(sampler))
+        layout, group = self._service.sync_plan(sampler, self._actor, self.model_id)
+        payload = self._actor.export_sampler_weights.remote(layout, group)
         # A sampler restarting when the weights arrive is waited for (as sampling clients do).
         return chain_with_recovery(
             lambda: sampler.set_weights.remote(key, payload),
@@ -496,6 +497,7 @@ class LocalServiceClient:
             )
         self._samplers: dict[str, Any] = {}
         self._layouts: dict[Any, Any] = {}
+        self._groups: set[tuple[Any, Any, str]] = set()  # NCCL weight groups opened
         self._sampler_info: dict[str, tuple[tuple[int, ...], int]] = {}
         self._trainers: list[Any] = []
 
@@ -531,21 +533,38 @@ class LocalServiceClient:
             self._sampler_info[key] = (eos_ids, context)
         return self._samplers[key]
 
-    def sync_layout(self, sampler: Any) -> Any:
-        """What a trainer exports for `sampler`: an ObjectRef of its CUDA IPC parameter layout, or
-        None for numpy through the object store (`local.weight_sync`)."""
+    def sync_plan(self, sampler: Any, trainer: Any, name: str) -> tuple[Any, str | None]:
+        """How `trainer` exports weights for `sampler` (`local.weight_sync`): `(None, None)` =
+        numpy through the object store; `(layout ref, None)` = CUDA IPC in the sampler's parameter
+        layout (same GPU); `(layout ref, group)` = NCCL over weight group `group`, opened here on
+        first use (another GPU). `auto` picks by comparing the two actors' GPU UUIDs."""
         local = self.config.local
         mode = local.weight_sync
-        if mode == "auto":
-            cuda_trainer = local.trainer_engine == "megatron" or local.device == "cuda"
-            mode = "cuda_ipc" if local.sampler_engine == "vllm" and cuda_trainer else "object_store"
-        if mode == "object_store":
-            return None
+        cuda_trainer = local.trainer_engine == "megatron" or local.device == "cuda"
+        if mode == "object_store" or (
+            mode == "auto" and not (local.sampler_engine == "vllm" and cuda_trainer)
+        ):
+            return None, None
         if local.sampler_engine != "vllm":
-            raise CapabilityError("local.weight_sync=cuda_ipc needs local.sampler_engine=vllm")
+            raise CapabilityError(f"local.weight_sync={mode} needs local.sampler_engine=vllm")
         if sampler not in self._layouts:
             self._layouts[sampler] = sampler.weight_layout.remote()
-        return self._layouts[sampler]
+        if mode == "auto":
+            # The sampler answers once its engine is up (vLLM start: compile + CUDA graphs).
+            uuids = ray.get([trainer.gpu_uuid.remote(), sampler.gpu_uuid.remote()], timeout=900)
+            mode = "cuda_ipc" if uuids[0] == uuids[1] else "nccl"
+        if mode == "cuda_ipc":
+            return self._layouts[sampler], None
+        group = f"weights:{name}"
+        if (trainer, sampler, group) not in self._groups:
+            host, port = ray.get(trainer.weight_group_address.remote(), timeout=120)
+            opened = [
+                trainer.open_weight_group.remote(group, host, port),
+                sampler.open_weight_group.remote(group, host, port),
+            ]
+            ray.get(opened, timeout=300)
+            self._groups.add((trainer, sampler, group))
+        return self._layouts[sampler], group
 
     def sampling_client(
         self,

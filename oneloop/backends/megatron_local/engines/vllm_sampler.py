@@ -19,8 +19,9 @@
   weights first. New requests carry `cache_salt=f"{key}@v{version}"` so they never reuse prefix
   KV computed with other weights. Phase timings of every sync land in `sync_history`.
 - Loads go through `collective_rpc` into `vllm_worker.OneloopWorkerExtension`: a dict of
-  Hugging Face arrays (reference: the model's own `load_weights`) or `CudaIpcWeights` (fast:
-  straight copies into the parameters' storage).
+  Hugging Face arrays (reference: the model's own `load_weights`), `CudaIpcWeights` (same GPU:
+  straight copies into the parameters' storage) or `NcclWeights` (a trainer on another GPU:
+  received straight into the parameters' storage over a group opened by `open_weight_group`).
 """
 
 import asyncio
@@ -40,6 +41,7 @@ from oneloop.backends.megatron_local.engines.base import (
     SamplerEngine,
     SampleRequest,
 )
+from oneloop.backends.megatron_local.engines.nccl_sync import NcclWeights
 from oneloop.backends.megatron_local.engines.weight_layout import CudaIpcWeights, dtype_name
 from oneloop.errors import BackendError, RequestError
 
@@ -57,13 +59,16 @@ class SyncRecord:
 
     key: str
     version: int
-    path: str  # "hf" (load_weights, bytes over RPC) | "ipc" (direct copy) | "ipc-hf" (IPC + loader)
+    # "hf" (load_weights, bytes over RPC) | "ipc" (direct copy) | "ipc-hf" (IPC + loader) |
+    # "nccl" (received into the parameters) | "nccl-buffer" (received, then copied)
+    path: str
     mode: str  # pause mode: "keep" (same key, in flight) | "wait" (key switch)
     bytes: int
     pause_ms: float
     load_ms: float
     resume_ms: float
     window_ms: float  # pause call start → resume returned: what in-flight requests feel
+    transfer_ms: float | None = None  # NCCL only: GPU time of the receive itself (within load)
 
 
 class VllmSamplerEngine(SamplerEngine):
@@ -83,6 +88,7 @@ class VllmSamplerEngine(SamplerEngine):
         max_num_seqs: int = 256,
         attention_backend: str | None = "TRITON_ATTN",
         request_timeout_s: float = 1800.0,
+        extra_engine_args: dict | None = None,
     ) -> None:
         self.engine_kwargs = dict(
             model=str(model_path),
@@ -98,6 +104,7 @@ class VllmSamplerEngine(SamplerEngine):
             logprobs_mode="raw_logprobs",
             enable_prefix_caching=True,
             disable_log_stats=True,
+            **(extra_engine_args or {}),
         )
         self.request_timeout_s = request_timeout_s
         self.sync_history: list[SyncRecord] = []
@@ -182,14 +189,26 @@ class VllmSamplerEngine(SamplerEngine):
         total, absolute = self._wait(self._rpc("weights_checksum"), RPC_TIMEOUT_S, "checksum")
         return float(total), float(absolute)
 
+    def worker_call(self, method: str, *args, timeout: float = RPC_TIMEOUT_S):
+        """Call a `OneloopWorkerExtension` method on the engine's worker (blocking, bounded)."""
+        return self._wait(self._rpc(method, *args), timeout, method)
+
+    def open_weight_group(self, name: str, host: str, port: int, world_size: int, rank: int) -> str:
+        """Join a trainer's NCCL weight group (both sides at once); returns the worker's GPU."""
+        return str(self.worker_call("open_nccl_group", name, host, port, world_size, rank))
+
     async def _rpc(self, method: str, *args):
         results = await self._engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
         return results[0]  # one worker (tensor parallel size 1)
 
     def set_weights(
-        self, key: str, weights: dict[str, np.ndarray] | CudaIpcWeights, version: int
+        self, key: str, weights: dict[str, np.ndarray] | CudaIpcWeights | NcclWeights, version: int
     ) -> None:
-        if isinstance(weights, CudaIpcWeights):
+        if isinstance(weights, NcclWeights):
+            method, args = "load_nccl_weights", (weights.to_wire(),)
+            path = "nccl" if weights.into == "params" else "nccl-buffer"
+            nbytes = weights.nbytes
+        elif isinstance(weights, CudaIpcWeights):
             method = "load_ipc_weights"
             args: tuple = (weights.to_wire(),)
             path, nbytes = ("ipc" if weights.layout == "vllm" else "ipc-hf"), weights.nbytes
@@ -199,7 +218,7 @@ class VllmSamplerEngine(SamplerEngine):
         else:
             raise RequestError(
                 f"set_weights({key!r}): weights must be a dict of Hugging Face "
-                f"arrays or CudaIpcWeights, got {type(weights).__name__}"
+                f"arrays, CudaIpcWeights or NcclWeights, got {type(weights).__name__}"
             )
         self._wait(
             self._swap(key, version, method, args, path, nbytes),
@@ -218,7 +237,7 @@ class VllmSamplerEngine(SamplerEngine):
                 try:  # resume even when the pause, the load or our caller's wait fails
                     await self._engine.pause_generation(mode=mode, clear_cache=False)
                     t1 = time.perf_counter()
-                    await self._rpc(method, *args)
+                    loaded = await self._rpc(method, *args)
                 except BaseException:
                     self._live = (None, self._live[1])  # maybe partly loaded: no key owns them
                     raise
@@ -242,6 +261,7 @@ class VllmSamplerEngine(SamplerEngine):
                         load_ms=1e3 * (t2 - t1),
                         resume_ms=1e3 * (t3 - t2),
                         window_ms=1e3 * (t3 - t0),
+                        transfer_ms=loaded.get("transfer_ms") if isinstance(loaded, dict) else None,
                     )
                 )
             finally:

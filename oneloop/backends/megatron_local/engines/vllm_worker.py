@@ -12,15 +12,26 @@ Two load paths:
 - `load_ipc_weights`: a `CudaIpcWeights` buffer; layout "vllm" copies each entry straight into its
   parameter's storage (`param.data.copy_`), after checking that names, shapes and dtypes match and
   every parameter is covered; layout "hf" hands views to `load_weights` (stock loader over IPC).
+- `load_nccl_weights`: `NcclWeights` from a trainer on another GPU over the group opened by
+  `open_nccl_group`; received straight into the parameters' storage (or a scratch buffer, then
+  copied), after the same name/shape/dtype cover check.
 
 Copies write into the existing storage, so CUDA graphs and compiled code keep pointing at them.
 Tensor parallel size 1 is assumed by the "vllm" layout (shapes are checked, so TP > 1 fails loudly).
 """
 
+import time
 import warnings
 
 import torch
 
+from oneloop.backends.megatron_local.engines.nccl_sync import (
+    TRANSFER_TIMEOUT_S,
+    NcclWeights,
+    broadcast_entries,
+    open_group,
+    wait_event,
+)
 from oneloop.backends.megatron_local.engines.weight_layout import (
     CudaIpcWeights,
     dtype_from_name,
@@ -95,8 +106,70 @@ class OneloopWorkerExtension:
         del views, buffer  # release the IPC mapping before the sender may free it
         return weights.nbytes
 
+    # -- NCCL from a trainer on another GPU --------------------------------------------------------
 
-def _check_cover(params: dict[str, torch.nn.Parameter], weights: CudaIpcWeights) -> None:
+    def _oneloop_group(self, name: str):
+        groups = getattr(self, "_oneloop_nccl", {})
+        if name not in groups:
+            raise ValueError(f"no NCCL weight group {name!r} (open it with open_nccl_group)")
+        return groups[name]
+
+    def open_nccl_group(self, name: str, host: str, port: int, world_size: int, rank: int) -> str:
+        """Join the trainer's weight group `name` as `rank`; returns this GPU's UUID."""
+        device = torch.device("cuda", self._oneloop_device_index())
+        if not hasattr(self, "_oneloop_nccl"):
+            self._oneloop_nccl = {}
+        old = self._oneloop_nccl.pop(name, None)
+        if old is not None:
+            old.destroy()
+        self._oneloop_nccl[name] = open_group(host, port, rank, world_size, device)
+        return str(torch.cuda.get_device_properties(device).uuid)
+
+    def load_nccl_weights(self, wire: dict) -> dict:
+        """Receive one weight version (see `nccl_sync.NcclWeights`); returns the bytes received
+        and the transfer's GPU time in ms."""
+        weights = NcclWeights.from_wire(wire)
+        comm = self._oneloop_group(weights.group)
+        params = self._oneloop_params()
+        _check_cover(params, weights)
+        stream = torch.cuda.current_stream(comm.device)
+        began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record(stream)
+        with torch.no_grad():
+            if weights.into == "params":
+                targets = [params[e.name].data for e in weights.entries]
+                entries = zip(weights.entries, targets, strict=True)
+                strided = [e.name for e, t in entries if not t.is_contiguous()]
+                if strided:
+                    raise ValueError(f"cannot receive into non-contiguous parameters {strided[:4]}")
+                broadcast_entries(comm, targets, stream)
+            else:
+                buffer = torch.empty(weights.nbytes, dtype=torch.uint8, device=comm.device)
+                comm.broadcast(buffer, src=0, stream=stream)
+                for name, view in unpack_flat(buffer, weights.entries):
+                    params[name].data.copy_(view, non_blocking=True)
+        done.record(stream)
+        wait_event(done, comm, TRANSFER_TIMEOUT_S, f"receiving group {weights.group!r}")
+        # GPU time from the receive's start to the last byte in place (copies included).
+        return {"bytes": weights.nbytes, "transfer_ms": began.elapsed_time(done)}
+
+    def nccl_bandwidth_probe(self, name: str, nbytes: int, iters: int) -> float:
+        """Receive `iters` broadcasts of `nbytes` (the sender runs `NcclSender.bandwidth_probe`)."""
+        comm = self._oneloop_group(name)
+        stream = torch.cuda.current_stream(comm.device)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=comm.device)
+        comm.broadcast(buf, src=0, stream=stream)
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            comm.broadcast(buf, src=0, stream=stream)
+        stream.synchronize()
+        return time.perf_counter() - t0
+
+
+def _check_cover(
+    params: dict[str, torch.nn.Parameter], weights: CudaIpcWeights | NcclWeights
+) -> None:
     """Every entry names a parameter of the same shape and dtype, and every parameter is covered."""
     problems = []
     seen = set()
@@ -118,6 +191,6 @@ def _check_cover(params: dict[str, torch.nn.Parameter], weights: CudaIpcWeights)
         )
     if problems:
         raise ValueError(
-            "CUDA IPC weights do not match the engine's parameters "
+            "the sent weights do not match the engine's parameters "
             "(pack them with the layout from param_layout()): " + "; ".join(problems)
         )

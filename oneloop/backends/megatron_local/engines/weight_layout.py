@@ -220,6 +220,13 @@ class CudaIpcWeights:
         )
 
 
+def gpu_uuid() -> str | None:
+    """The UUID of this process's current CUDA device, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
 def make_ipc_weights(
     buffer: torch.Tensor, entries: Sequence[FlatEntry], version: int, layout: str = "vllm"
 ) -> CudaIpcWeights:
