@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from oneloop.backends.megatron_local.engines.weight_layout import FlatEntry, view_of
+from oneloop.backends.megatron_local.engines.weight_layout import (
+    FlatEntry,
+    entries_from_wire,
+    entries_to_wire,
+    view_of,
+)
 from oneloop.errors import BackendError
 
 GROUP_TIMEOUT_S = 120.0  # rendezvous of both ranks
@@ -99,7 +104,7 @@ class NcclWeights:
         return {
             "group": self.group,
             "nbytes": self.nbytes,
-            "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
+            "entries": entries_to_wire(self.entries),
             "version": self.version,
             "into": self.into,
         }
@@ -109,7 +114,7 @@ class NcclWeights:
         return cls(
             group=str(wire["group"]),
             nbytes=int(wire["nbytes"]),
-            entries=tuple(FlatEntry(n, d, tuple(s), int(o)) for n, d, s, o in wire["entries"]),
+            entries=entries_from_wire(wire["entries"]),
             version=int(wire["version"]),
             into=str(wire["into"]),
         )

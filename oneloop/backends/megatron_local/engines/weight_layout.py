@@ -145,6 +145,15 @@ def view_of(buffer: torch.Tensor, entry: FlatEntry) -> torch.Tensor:
     return raw.view(dtype_from_name(entry.dtype)).view(entry.shape)
 
 
+def entries_to_wire(entries: Sequence[FlatEntry]) -> list[list]:
+    """Entries as plain msgpack lists `[name, dtype, shape, offset]` (IPC and NCCL wire forms)."""
+    return [[e.name, e.dtype, list(e.shape), e.offset] for e in entries]
+
+
+def entries_from_wire(rows: Sequence[Sequence]) -> tuple[FlatEntry, ...]:
+    return tuple(FlatEntry(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in rows)
+
+
 def unpack_flat(
     buffer: torch.Tensor, entries: Sequence[FlatEntry]
 ) -> list[tuple[str, torch.Tensor]]:
@@ -177,7 +186,7 @@ class CudaIpcWeights:
             "storage_typed": self.storage_typed,
             "gpu_uuid": self.gpu_uuid,
             "nbytes": self.nbytes,
-            "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
+            "entries": entries_to_wire(self.entries),
             "version": self.version,
             "layout": self.layout,
         }
@@ -191,7 +200,7 @@ class CudaIpcWeights:
             storage_typed=bool(wire["storage_typed"]),
             gpu_uuid=str(wire["gpu_uuid"]),
             nbytes=int(wire["nbytes"]),
-            entries=tuple(FlatEntry(n, d, tuple(s), int(o)) for n, d, s, o in wire["entries"]),
+            entries=entries_from_wire(wire["entries"]),
             version=int(wire["version"]),
             layout=str(wire["layout"]),
         )
