@@ -236,7 +236,8 @@ def build_app(
 
     @app.post(f"{v1}/asample")
     async def asample(request: Request) -> Response:
-        return _json(await service.asample(parse_sample_request(await request.body())))
+        body = await request.body()
+        return _json(await service.asample(parse_sample_request(body), body))
 
     # -- futures ---------------------------------------------------------------------------------
 
