@@ -290,7 +290,8 @@ def test_sampler_actor_crash_is_survived(local_service):
     client = trainer.save_weights_and_get_sampling_client(kind="inflight").result()
     probe = types.ModelInput.from_ints(random_tokens(6, 25))
     before = client.compute_logprobs(probe).result()
-    ray.kill(client._actor, no_restart=False)  # a crash: Ray restarts the actor with base weights
+    (actor,) = client._pool.actors
+    ray.kill(actor, no_restart=False)  # a crash: Ray restarts the actor with base weights
     after = client.compute_logprobs(probe).result(timeout=300)
     np.testing.assert_allclose(after[1:], before[1:], atol=1e-6)
     out = client.sample(probe, 1, types.SamplingParams(max_tokens=4, seed=0)).result(timeout=300)

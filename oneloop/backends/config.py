@@ -61,6 +61,9 @@ class LocalBackendConfig(_Strict):
     """Token budget (padded tokens) of one trainer micro-batch."""
     torch_threads: int | None = Field(default=None, gt=0)
     """torch intra-op threads per actor; None = every core of the host."""
+    samplers_per_model: int = Field(default=1, gt=0)
+    """Sampler engines per base model; requests are routed session-affine (a trajectory's turns
+    go to one engine) and every weight sync reaches all of them."""
     max_snapshots: int = Field(default=8, gt=0)
     """Snapshot weight sets a sampler keeps in memory; older ones are evicted (requests then fail clearly)."""
     ray_address: str | None = None

@@ -165,7 +165,7 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     gap = logprob_gap(trainer, prompt, after.sequences)
     figures["gap_after_inflight_sync"] = {"mean": float(gap.mean()), "max": float(gap.max())}
     record(name, figures)
-    (sampler_actor,) = service._samplers.values()  # one base model, one sampler
+    ((sampler_actor,),) = [p.actors for p in service._samplers.values()]  # one model, one sampler
     history = ray.get(sampler_actor.sync_history.remote(), timeout=60)
     figures["sync_history"] = history
     assert [h["path"] for h in history] == [sync_path] * 2, history

@@ -89,14 +89,15 @@ class TrainerActor:
         self._senders[name] = NcclSender(name, host, port, device)
 
     def export_sampler_weights(
-        self, layout: list | None = None, group: str | None = None
+        self, layout: list | None = None, group: str | None = None, bump: bool = True
     ) -> tuple[int, Any]:
-        """Bump the sync version and return it with the full sampler weights: numpy arrays, or —
+        """Bump the sync version (unless `bump` is False: another sampler's copy of the version
+        just exported) and return it with the full sampler weights: numpy arrays, or —
         given the sampler's parameter `layout` — one CUDA buffer already in that layout, shared
         over CUDA IPC (same GPU) or, given an open NCCL weight `group`, queued on it for the
         sampler to receive (another GPU). Either way the sampler writes straight into its
         parameters; the buffer lives until the next export (IPC) or until received (NCCL)."""
-        self.sync_version += 1
+        self.sync_version += int(bump)
         if layout is None:
             return self.sync_version, self.engine.sampler_weights()
         from oneloop.backends.megatron_local.engines.weight_layout import (

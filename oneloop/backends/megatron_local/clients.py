@@ -29,8 +29,9 @@ from oneloop.backends.megatron_local.engines.base import (
     SampleOutput,
     SampleRequest,
 )
-from oneloop.backends.megatron_local.futures import chain, chain_with_recovery, completed
+from oneloop.backends.megatron_local.futures import chain, chain_with_recovery, completed, gather
 from oneloop.backends.megatron_local.paths import TinkerPath, check_component
+from oneloop.backends.megatron_local.routing import SamplerPool
 from oneloop.backends.sequence_ids import make_sequence_id
 from oneloop.errors import CapabilityError, RequestError
 
@@ -155,7 +156,7 @@ class LocalSamplingClient:
 
     def __init__(
         self,
-        actor: Any,
+        pool: SamplerPool,
         key: str,
         base_model: str,
         model_path_local: str,
@@ -165,9 +166,10 @@ class LocalSamplingClient:
         version: int,
         restore: Any = None,
     ) -> None:
-        self._actor = actor
-        # How to put this client's weights back on a restarted sampler: the weights' ObjectRef
-        # (published weights) or a checkpoint directory (path clients); None for the base model.
+        self._pool = pool  # requests go to one of its samplers, session-affine (routing.py)
+        # How to put this client's weights back on a restarted sampler: per sampler of the pool,
+        # the weights' ObjectRef (published weights); or a checkpoint directory (path clients);
+        # None for the base model.
         self._restore = restore
         self._key = key
         self.sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
@@ -237,20 +239,22 @@ class LocalSamplingClient:
             ]
             return types.SampleResponse(sequences=sequences, prompt_logprobs_np=out.prompt_logprobs)
 
+        index, actor = self._pool.route(request.prompt)
         return self._call(
-            lambda: self._actor.sample.remote(self._key, request, self.version), convert
+            index, lambda: actor.sample.remote(self._key, request, self.version), convert
         )
 
-    def _call(self, submit: Any, convert: Any) -> AwaitableConcurrentFuture:
-        """Submit, and if the sampler restarted or lacks this client's weights, re-install them
-        and resubmit (weights only move forward, so a newer version is kept)."""
+    def _call(self, index: int, submit: Any, convert: Any) -> AwaitableConcurrentFuture:
+        """Submit to sampler `index` of the pool, and if it restarted or lacks this client's
+        weights, re-install them and resubmit (weights only move forward: a newer version stays)."""
+        actor = self._pool.actors[index]
 
         def recover() -> Any:
             if isinstance(self._restore, str):
-                return self._actor.load_weights_from.remote(self._key, self._restore)
+                return actor.load_weights_from.remote(self._key, self._restore)
             if self._restore is not None:
-                return self._actor.set_weights.remote(self._key, self._restore)
-            return self._actor.ready.remote()
+                return actor.set_weights.remote(self._key, self._restore[index])
+            return actor.ready.remote()
 
         return chain_with_recovery(
             submit, convert, recover, sampler_recoverable, attempts=RESTART_ATTEMPTS
@@ -272,8 +276,9 @@ class LocalSamplingClient:
                 out[:cut] = [None] * cut
             return out
 
+        index, actor = self._pool.route(tokens)
         return self._call(
-            lambda: self._actor.prompt_logprobs.remote(self._key, tokens, self.version), convert
+            index, lambda: actor.prompt_logprobs.remote(self._key, tokens, self.version), convert
         )
 
     def get_tokenizer(self):
@@ -436,19 +441,44 @@ class LocalTrainingClient:
             if kind == "inflight"
             else f"snapshot:{self.model_id}:{next(self._snapshots)}"
         )
-        sampler = self._service.sampler_actor(self._model_dir)
-        layout, group = self._service.sync_plan(sampler, self._actor, self.model_id)
-        payload = self._actor.export_sampler_weights.remote(layout, group)
-        # A sampler restarting when the weights arrive is waited for (as sampling clients do).
-        return chain_with_recovery(
-            lambda: sampler.set_weights.remote(key, payload),
-            lambda version: self._service.sampling_client(
-                sampler, key, self.base_model, self._model_dir, None, version, payload
+        pool = self._service.sampler_pool(self._model_dir)
+        payloads = self._export_for(pool)
+        # Every sampler of the pool gets the weights; one restarting meanwhile is waited for (as
+        # sampling clients do). The client is ready when all have them.
+        installed = [
+            chain_with_recovery(
+                lambda sampler=sampler, payload=payload: sampler.set_weights.remote(key, payload),
+                lambda version: version,
+                lambda sampler=sampler: sampler.ready.remote(),
+                sampler_recoverable,
+                attempts=RESTART_ATTEMPTS,
+            )
+            for sampler, payload in zip(pool.actors, payloads, strict=True)
+        ]
+        return chain(
+            gather(installed),
+            lambda versions: self._service.sampling_client(
+                pool, key, self.base_model, self._model_dir, None, min(versions), payloads
             ),
-            lambda: sampler.ready.remote(),
-            sampler_recoverable,
-            attempts=RESTART_ATTEMPTS,
         )
+
+    def _export_for(self, pool: SamplerPool) -> list[Any]:
+        """One weight version for every sampler of `pool`: an ObjectRef per sampler. Samplers
+        reached through the object store or CUDA IPC share one export; each NCCL sampler gets its
+        own send of the same version over its own weight group."""
+        shared, payloads, bump = None, [], True
+        for index, sampler in enumerate(pool.actors):
+            name = f"{self.model_id}:{index}"
+            layout, group = self._service.sync_plan(sampler, self._actor, name)
+            if group is None:
+                if shared is None:
+                    shared = self._actor.export_sampler_weights.remote(layout, None, bump)
+                    bump = False
+                payloads.append(shared)
+            else:
+                payloads.append(self._actor.export_sampler_weights.remote(layout, group, bump))
+                bump = False
+        return payloads
 
     def create_sampling_client(
         self, model_path: str, retry_config: Any = None, record_stability_info: bool = False
@@ -495,7 +525,7 @@ class LocalServiceClient:
                 log_to_driver=True,
                 configure_logging=False,
             )
-        self._samplers: dict[str, Any] = {}
+        self._samplers: dict[str, SamplerPool] = {}
         self._layouts: dict[Any, Any] = {}
         self._groups: set[tuple[Any, Any, str]] = set()  # NCCL weight groups opened
         self._sampler_info: dict[str, tuple[tuple[int, ...], int]] = {}
@@ -518,13 +548,17 @@ class LocalServiceClient:
             f"backend.models (name: local HF directory), use {TINY_MODEL_NAME!r}, or pass a path"
         )
 
-    def sampler_actor(self, model_dir: Path) -> Any:
-        """The sampler actor for one base model, started on first use."""
+    def sampler_pool(self, model_dir: Path) -> SamplerPool:
+        """The sampler actors of one base model (`local.samplers_per_model`), started on first
+        use, behind a session-affine router."""
         key = str(model_dir)
         if key not in self._samplers:
             local = self.config.local
-            actor = SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key)
-            self._samplers[key] = actor
+            actors = [
+                SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key)
+                for _ in range(local.samplers_per_model)
+            ]
+            self._samplers[key] = SamplerPool(actors)
             from transformers import AutoConfig, GenerationConfig
 
             eos = GenerationConfig.from_pretrained(key).eos_token_id
@@ -532,6 +566,9 @@ class LocalServiceClient:
             context = int(AutoConfig.from_pretrained(key).max_position_embeddings)
             self._sampler_info[key] = (eos_ids, context)
         return self._samplers[key]
+
+    def _sampler_actors(self) -> list[Any]:
+        return [a for pool in list(self._samplers.values()) for a in pool.actors]  # a snapshot
 
     def sync_plan(self, sampler: Any, trainer: Any, name: str) -> tuple[Any, str | None]:
         """How `trainer` exports weights for `sampler` (`local.weight_sync`): `(None, None)` =
@@ -555,7 +592,7 @@ class LocalServiceClient:
             mode = "cuda_ipc" if uuids[0] == uuids[1] else "nccl"
         if mode == "cuda_ipc":
             return self._layouts[sampler], None
-        group = f"weights:{name}"
+        group = f"weights:{name}"  # one group per (trainer, sampler) pair
         if (trainer, sampler, group) not in self._groups:
             host, port = ray.get(trainer.weight_group_address.remote(), timeout=120)
             opened = [
@@ -568,7 +605,7 @@ class LocalServiceClient:
 
     def sampling_client(
         self,
-        actor: Any,
+        pool: SamplerPool,
         key: str,
         base_model: str,
         model_dir: Path,
@@ -578,7 +615,7 @@ class LocalServiceClient:
     ) -> LocalSamplingClient:
         eos_ids, context = self._sampler_info[str(model_dir)]
         return LocalSamplingClient(
-            actor, key, base_model, str(model_dir), model_path, eos_ids, context, version, restore
+            pool, key, base_model, str(model_dir), model_path, eos_ids, context, version, restore
         )
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
@@ -624,7 +661,7 @@ class LocalServiceClient:
         self.capabilities.check(lora_rank=rank)
         model_dir = self.resolve_model(base_model)
         actor, run_id = self._start_trainer(base_model, model_dir, lora)
-        self.sampler_actor(model_dir)
+        self.sampler_pool(model_dir)
         return chain(
             actor.ready.remote(),
             lambda _: LocalTrainingClient(self, actor, run_id, base_model, model_dir, lora),
@@ -647,7 +684,7 @@ class LocalServiceClient:
         )
         model_dir = Path(meta["model_dir"])
         actor, run_id = self._start_trainer(meta["base_model"], model_dir, lora)
-        self.sampler_actor(model_dir)
+        self.sampler_pool(model_dir)
         loaded = actor.load_state.remote(str(directory), with_optimizer)
         return chain(
             loaded,
@@ -687,8 +724,8 @@ class LocalServiceClient:
         if model_path is None:
             assert base_model is not None
             model_dir = self.resolve_model(base_model)
-            actor = self.sampler_actor(model_dir)
-            return completed(self.sampling_client(actor, "base", base_model, model_dir, None, 0))
+            pool = self.sampler_pool(model_dir)
+            return completed(self.sampling_client(pool, "base", base_model, model_dir, None, 0))
         parsed = TinkerPath.parse(model_path)
         directory = parsed.existing_directory(self.run_dir)
         import json
@@ -700,13 +737,13 @@ class LocalServiceClient:
                 "save_weights_for_sampler path (tinker://<run>/sampler_weights/<name>)"
             )
         model_dir = Path(meta["model_dir"])
-        actor = self.sampler_actor(model_dir)
+        pool = self.sampler_pool(model_dir)
         key = f"path:{parsed}:{meta['sync_version']}"
-        loaded = actor.load_weights_from.remote(key, str(directory))
+        loaded = [actor.load_weights_from.remote(key, str(directory)) for actor in pool.actors]
         return chain(
-            loaded,
-            lambda version: self.sampling_client(
-                actor, key, meta["base_model"], model_dir, model_path, version, str(directory)
+            gather([chain(ref, lambda version: version) for ref in loaded]),
+            lambda versions: self.sampling_client(
+                pool, key, meta["base_model"], model_dir, model_path, min(versions), str(directory)
             ),
         )
 
@@ -718,7 +755,7 @@ class LocalServiceClient:
         crash (OOM, a killed process); clients re-install their weights on the new actor and
         resubmit, so an in-flight sample is retried, not failed. Blocking (one GCS read).
         """
-        restarts = sum(actor_restarts(a) for a in list(self._samplers.values()))  # a snapshot
+        restarts = sum(actor_restarts(a) for a in self._sampler_actors())
         return {"backend/sampler_restarts": float(restarts)}
 
     def close(
@@ -726,7 +763,7 @@ class LocalServiceClient:
     ) -> AwaitableConcurrentFuture[None]:
         """Stop this client's actors (the Ray runtime stays up for other clients). Same signature
         as the SDK's `ServiceClient.close(status, detail)`; returns a finished future."""
-        for actor in [*self._trainers, *self._samplers.values()]:
+        for actor in [*self._trainers, *self._sampler_actors()]:
             ray.kill(actor)
         self._trainers.clear()
         self._samplers.clear()

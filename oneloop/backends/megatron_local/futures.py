@@ -7,13 +7,26 @@ in `RayTaskError`; we re-raise the original (a `RequestError` stays a `RequestEr
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import ray
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from oneloop.errors import BackendError
+
+
+def _settle(out: Future, value: Any = None, error: BaseException | None = None) -> None:
+    """Deliver a result, unless the consumer already cancelled `out` (a timed-out wait)."""
+    if out.done():
+        return
+    try:
+        if error is None:
+            out.set_result(value)
+        else:
+            out.set_exception(error)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -35,9 +48,9 @@ def chain[T](
 
     def done(finished: Future[Any]) -> None:
         try:
-            out.set_result(convert(finished.result()))
+            _settle(out, convert(finished.result()))
         except BaseException as error:  # noqa: BLE001 - delivered to whoever awaits the future
-            out.set_exception(_unwrap(error))
+            _settle(out, error=_unwrap(error))
 
     upstream.add_done_callback(done)
     return AwaitableConcurrentFuture(out)
@@ -66,15 +79,17 @@ def chain_with_recovery[T](
         upstream.add_done_callback(lambda f: done(f, left))
 
     def done(finished: Future[Any], left: int) -> None:
+        if out.cancelled():
+            return  # the consumer gave up waiting: no retries on its behalf
         try:
-            out.set_result(convert(finished.result()))
+            _settle(out, convert(finished.result()))
         except BaseException as error:  # noqa: BLE001 - delivered to whoever awaits the future
             cause = _unwrap(error)
             if left > 1 and (should_recover(cause) or should_recover(error)):
                 # Recover off Ray's callback thread: a blocking get there could deadlock.
                 threading.Thread(target=retry, args=(left,), daemon=True).start()
             else:
-                out.set_exception(cause)
+                _settle(out, error=cause)
 
     def retry(left: int) -> None:
         try:
@@ -85,6 +100,33 @@ def chain_with_recovery[T](
 
     start(attempts)
     return AwaitableConcurrentFuture(out)
+
+
+def gather(futures: list[AwaitableConcurrentFuture[Any]]) -> Future[list[Any]]:
+    """One future of every result of `futures`, in order; the first error fails it."""
+    out: Future[list[Any]] = Future()
+    results: list[Any] = [None] * len(futures)
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(index: int, finished: Future[Any]) -> None:
+        try:
+            value = finished.result()
+        except BaseException as error:  # noqa: BLE001 - delivered to whoever awaits the future
+            with lock:
+                _settle(out, error=error)
+            return
+        with lock:
+            results[index] = value
+            left[0] -= 1
+            if left[0] == 0:
+                _settle(out, results)
+
+    if not futures:
+        out.set_result([])
+    for index, future in enumerate(futures):
+        future.future().add_done_callback(lambda f, i=index: done(i, f))
+    return out
 
 
 # How long re-installing weights on a restarted actor may take.
