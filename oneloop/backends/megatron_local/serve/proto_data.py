@@ -118,10 +118,10 @@ def decode_data(msgs: Sequence[pb.Datum]) -> tuple[list[types.Datum], int]:
                 not shape or (len(shape) == 1 and shape[0] == size)
             ):  # the usual 1-D dense tensor, checked here in a few comparisons
                 dense_parts[dtype].append(raw)
-                inputs.append((name, _Dense(dtype, size, [size] if shape else None)))
+                inputs.append((name, (dtype, size, [size] if shape else None)))  # a _Dense
                 continue
             plan, raw = _plan_tensor(tensor, i, name)
-            if isinstance(plan, _Dense):
+            if isinstance(plan, tuple):  # a _Dense
                 dense_parts[plan.dtype].append(raw)
             inputs.append((name, plan))
         spans: list[Any] = []
@@ -184,7 +184,7 @@ def _dense_owner(pending: list[_Pending], dtype: int, part: int) -> tuple[int, s
     """(datum, input name) of the `part`-th dense tensor of `dtype` in the request."""
     for i, (_, inputs, *_) in enumerate(pending):
         for name, plan in inputs:
-            if isinstance(plan, _Dense) and plan.dtype == dtype:
+            if isinstance(plan, tuple) and plan[0] == dtype:  # a _Dense
                 if not part:
                     return i, name
                 part -= 1
@@ -197,28 +197,37 @@ def _assemble(
     chunk_sizes: list[int],
     values: dict[int, np.ndarray],
 ) -> list[types.Datum]:
+    """The datums, every token chunk and dense tensor a view of the request's buffers. Dense
+    plans are `_Dense` or plain (dtype, size, shape) tuples (the decoder's fast path)."""
+    token_chunk, model_input, tensor, datum = (
+        _fast.token_chunk, _fast.model_input, _fast.tensor, _fast.datum
+    )
     data: list[types.Datum] = []
     token_at = chunk_index = 0
     value_at = dict.fromkeys(values, 0)
     for i, (n_chunks, inputs, spans, loss_spans) in enumerate(pending):
-        chunks = []
-        for size in chunk_sizes[chunk_index : chunk_index + n_chunks]:
+        if n_chunks == 1:
+            end = token_at + chunk_sizes[chunk_index]
             # Checked above (int32, >= 0): no pydantic walk over every id.
-            chunks.append(_fast.token_chunk(TokenIds(tokens[token_at : token_at + size])))
-            token_at += size
+            chunks = [token_chunk(TokenIds(tokens[token_at:end]))]
+            token_at = end
+        else:
+            chunks = []
+            for size in chunk_sizes[chunk_index : chunk_index + n_chunks]:
+                chunks.append(token_chunk(TokenIds(tokens[token_at : token_at + size])))
+                token_at += size
         chunk_index += n_chunks
         tensors: dict[str, types.TensorData] = {}
         for name, plan in inputs:
-            if isinstance(plan, _Dense):
-                at = value_at[plan.dtype]
-                value_at[plan.dtype] = at + plan.size
-                view = values[plan.dtype][at : at + plan.size]
-                tensors[name] = _fast.tensor(view, NAME_OF_DTYPE[plan.dtype], plan.shape)
+            if isinstance(plan, tuple):
+                dtype, size, shape = plan
+                at = value_at[dtype]
+                value_at[dtype] = at + size
+                tensors[name] = tensor(values[dtype][at : at + size], NAME_OF_DTYPE[dtype], shape)
             else:
                 tensors[name] = plan
         try:
-            data.append(_fast.datum(_fast.model_input(chunks), tensors, spans or None,
-                                    loss_spans or None))  # fmt: skip
+            data.append(datum(model_input(chunks), tensors, spans or None, loss_spans or None))
         except (ValueError, TypeError, AssertionError) as e:
             raise WireError(f"data[{i}]: {e}") from e
     return data
