@@ -6,7 +6,9 @@ CPU demo. Nothing comes from a hub:
 
 * the tokenizer is byte-level BPE trained with `tokenizers` on a generated corpus (words, numbers,
   JSON, arithmetic, tool-call markup), so any text round-trips exactly; digits are split one per
-  token like Qwen's; ChatML control tokens and the tool markup tags are single tokens;
+  token like Qwen's (`TinyModelSpec.number_digits` = 3 instead makes every integer below 1000 one
+  token, as in the `oneloop/tiny-qwen3-demo` spec); ChatML control tokens and the tool markup
+  tags are single tokens;
 * the chat template is a simplified Qwen3/Hermes ChatML template (no `<think>` handling) that takes
   `tools`, roles system/user/assistant/tool and OpenAI-shaped assistant `tool_calls`;
 * the model is `Qwen3ForCausalLM` in fp32 with weights drawn from `TinyModelSpec.seed`.
@@ -58,6 +60,13 @@ _SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# With `TinyModelSpec.number_digits` = k > 1, `\p{N}` becomes `\p{N}{1,k}` (as GPT-4's splitter
+# does with k = 3), and every integer below 10**k appears this often in the corpus, so BPE merges
+# each into one token before any rarer pair.
+_NUMBER_REPEATS = 128
+_MAX_NUMBER_DIGITS = 3
+# Spec fields added after FORMAT_VERSION 1 and their defaults (left out of the cache key there).
+_KEY_DEFAULTS = {"number_digits": 1}
 
 CHAT_TEMPLATE = """\
 {%- if tools %}
@@ -143,6 +152,10 @@ class TinyModelSpec:
     """Share the input embedding with the output projection, as small Qwen3 models do (flag)."""
     seed: int = 0
     """Seed for the random weight init; the tokenizer does not depend on it (integer)."""
+    number_digits: int = 1
+    """Longest digit run the pre-tokenizer keeps together (digits): 1 = one digit per token as in
+    Qwen; 3 = every integer 0..999 is one token (the corpus then holds each of them, so BPE learns
+    them all; needs `vocab_size` room for ~1,000 number tokens). Not part of the cache key at 1."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -166,6 +179,7 @@ class TinyModelSpec:
             "head_dim",
             "intermediate_size",
             "max_position_embeddings",
+            "number_digits",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -180,11 +194,20 @@ class TinyModelSpec:
             raise ValueError(f"TinyModelSpec.head_dim: must be even for RoPE, got {self.head_dim}")
         if self.seed < 0:
             raise ValueError(f"TinyModelSpec.seed: must be non-negative, got {self.seed}")
+        if self.number_digits > _MAX_NUMBER_DIGITS:
+            raise ValueError(
+                f"TinyModelSpec.number_digits: at most {_MAX_NUMBER_DIGITS} (every integer below "
+                f"10**number_digits gets a token), got {self.number_digits}"
+            )
 
 
 def spec_digest(spec: TinyModelSpec) -> str:
     """Short stable hash of the spec and `FORMAT_VERSION`: the cache key."""
-    payload = json.dumps({"format": FORMAT_VERSION, **asdict(spec)}, sort_keys=True)
+    fields_ = asdict(spec)
+    for name, default in _KEY_DEFAULTS.items():  # fields added later: absent at their default,
+        if fields_[name] == default:  # so existing specs keep their cache key
+            del fields_[name]
+    payload = json.dumps({"format": FORMAT_VERSION, **fields_}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -350,14 +373,23 @@ def _random_tool_markup(rng: random.Random) -> str:
     )
 
 
-def _generate_corpus() -> list[str]:
-    """A deterministic mixed corpus of prose, numbers, JSON, arithmetic and ChatML tool markup."""
+def _generate_corpus(number_digits: int = 1) -> list[str]:
+    """A deterministic mixed corpus of prose, numbers, JSON, arithmetic and ChatML tool markup;
+    with `number_digits` > 1 also every integer below 10**number_digits, `_NUMBER_REPEATS` times."""
     rng = random.Random(_CORPUS_SEED)
     makers = (_random_sentence, _random_json, _random_expression, _random_tool_markup)
-    return [rng.choice(makers)(rng) for _ in range(_CORPUS_LINES)]
+    corpus = [rng.choice(makers)(rng) for _ in range(_CORPUS_LINES)]
+    if number_digits > 1:
+        numbers = " ".join(str(i) for i in range(10**number_digits))
+        corpus += [numbers] * _NUMBER_REPEATS
+    return corpus
 
 
-def _train_tokenizer(vocab_size: int) -> "Tokenizer":
+def _split_pattern(number_digits: int) -> str:
+    return _SPLIT_PATTERN.replace(r"|\p{N}|", rf"|\p{{N}}{{1,{number_digits}}}|", 1)
+
+
+def _train_tokenizer(vocab_size: int, number_digits: int = 1) -> "Tokenizer":
     from tokenizers import (
         AddedToken,
         Regex,
@@ -373,7 +405,9 @@ def _train_tokenizer(vocab_size: int) -> "Tokenizer":
     tokenizer.normalizer = None
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(
+                Regex(_split_pattern(number_digits)), behavior="isolated", invert=False
+            ),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -389,7 +423,7 @@ def _train_tokenizer(vocab_size: int) -> "Tokenizer":
         special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_generate_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(_generate_corpus(number_digits), trainer=trainer)
     # Tool markup tags are ordinary text in a conversation, not control tokens (as in Qwen3):
     # unmark them so `decode(..., skip_special_tokens=True)` keeps them; they stay single tokens.
     markup = [AddedToken(t, special=False, normalized=False) for t in TOOL_MARKUP_TOKENS]
@@ -400,7 +434,7 @@ def _train_tokenizer(vocab_size: int) -> "Tokenizer":
 def _write_tokenizer(spec: TinyModelSpec, directory: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    backend = _train_tokenizer(spec.vocab_size)
+    backend = _train_tokenizer(spec.vocab_size, spec.number_digits)
     if backend.get_vocab_size() > spec.vocab_size:
         raise RuntimeError(f"trained {backend.get_vocab_size()} tokens for vocab {spec.vocab_size}")
     tokenizer = PreTrainedTokenizerFast(
@@ -463,6 +497,7 @@ def _write_model(spec: TinyModelSpec, directory: Path) -> None:
 
 # Named variants the local backend resolves as base models (`model.base_model`).
 TINY_MODEL_128X4 = "oneloop/tiny-qwen3-128x4"
+TINY_MODEL_DEMO = "oneloop/tiny-qwen3-demo"
 
 
 def named_tiny_specs() -> dict[str, TinyModelSpec]:
@@ -474,5 +509,15 @@ def named_tiny_specs() -> dict[str, TinyModelSpec]:
         TINY_MODEL_128X4: TinyModelSpec(
             hidden_size=128, num_layers=4, head_dim=32, intermediate_size=384
         ),
+        # The CPU demo's model: 128×4 with every integer 0..999 one token, so copying a number
+        # from the question or a tool result into a call is one token, not a digit-by-digit
+        # alignment the 128×4 model only learns after ~300 SFT steps.
+        TINY_MODEL_DEMO: TinyModelSpec(
+            vocab_size=2048,
+            hidden_size=128,
+            num_layers=4,
+            head_dim=32,
+            intermediate_size=384,
+            number_digits=3,
+        ),
     }
-

@@ -1,5 +1,6 @@
 """Tests for oneloop.tiny_model: loading by path, the tokenizer, the chat template, the cache."""
 
+import dataclasses
 import json
 import multiprocessing
 from pathlib import Path
@@ -15,9 +16,12 @@ from oneloop import tiny_model
 from oneloop.tiny_model import (
     COMPLETE_MARKER,
     CONTROL_TOKENS,
+    TINY_MODEL_DEMO,
     TOOL_MARKUP_TOKENS,
     TinyModelSpec,
     build_tiny_model,
+    named_tiny_specs,
+    spec_digest,
     tiny_model_dir,
 )
 
@@ -236,6 +240,25 @@ def test_different_seed_gives_different_weights_same_tokenizer(tmp_path: Path) -
     assert not torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
 
 
+def test_number_digits_makes_every_integer_below_1000_one_token(tmp_path: Path) -> None:
+    spec = TinyModelSpec(vocab_size=2048, hidden_size=32, intermediate_size=64, number_digits=3)
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(spec, root=tmp_path))
+    for number in range(1000):
+        assert len(tokenizer.encode(str(number), add_special_tokens=False)) == 1, number
+    # Longer digit runs split into chunks of at most three digits, and text still round-trips.
+    assert tokenizer.tokenize("x=1234567") == ["x", "=", "123", "456", "7"]
+    text = '{"a": 17, "b": -25.5} 1000000'
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_new_spec_fields_keep_existing_cache_keys() -> None:
+    """Regression: adding `number_digits` must not re-key (and so rebuild) the specs in use."""
+    assert spec_digest(TinyModelSpec()) == "960e44b897ca"
+    assert spec_digest(named_tiny_specs()["oneloop/tiny-qwen3-128x4"]) == "da35cdb284f9"
+    demo = named_tiny_specs()[TINY_MODEL_DEMO]
+    assert spec_digest(demo) != spec_digest(dataclasses.replace(demo, number_digits=1))
+
+
 def test_vocab_size_is_configurable(tmp_path: Path) -> None:
     path = build_tiny_model(SMALL, root=tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -334,6 +357,8 @@ def test_default_root_comes_from_environment(
         ({"seed": -1}, "TinyModelSpec.seed"),
         ({"hidden_size": 64.0}, "TinyModelSpec.hidden_size"),
         ({"tie_word_embeddings": 1}, "TinyModelSpec.tie_word_embeddings"),
+        ({"number_digits": 0}, "TinyModelSpec.number_digits"),
+        ({"number_digits": 4}, "TinyModelSpec.number_digits"),
     ],
 )
 def test_bad_spec_names_the_field(kwargs: dict[str, object], message: str) -> None:
