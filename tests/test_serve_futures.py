@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+import numpy as np
 import pytest
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
@@ -219,3 +220,21 @@ def test_a_request_whose_predecessor_never_arrives_fails():
         await seq.close()
 
     asyncio.run(main())
+
+
+def test_fixed_weights_sample_on_another_version_fails_instead_of_mislabelling():
+    """A snapshot/path/base sampler is acked before it runs, with its creation version in the
+    sequence ids; a result that ran on another version must fail the request, not go out
+    under ids that claim the wrong version."""
+    from oneloop.backends.megatron_local.serve.service import _check_fixed_version
+
+    def response(*ids: str) -> types.SampleResponse:
+        return types.SampleResponse(sequences=[
+            types.SampledSequence(stop_reason="length", sequence_id=i, tokens_np=np.array([1]))
+            for i in ids
+        ])  # fmt: skip
+
+    _check_fixed_version(response("s/v2/0", "s/v2/1"), 2, "s")
+    _check_fixed_version(response("not-versioned"), 2, "s")  # nothing to compare
+    with pytest.raises(RuntimeError, match=r"sequences\[1\].*version 2.*version 3"):
+        _check_fixed_version(response("s/v2/0", "s/v3/1"), 2, "s")
