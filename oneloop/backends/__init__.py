@@ -25,12 +25,20 @@ def connect(config: BackendConfig | dict) -> Any:
     return connect_remote(config)
 
 
-def capabilities(service: Any, config: BackendConfig) -> Capabilities:
-    """What the connected backend supports (checked before a run starts)."""
-    from oneloop.backends.megatron_local.clients import LocalServiceClient
+def capabilities(config: BackendConfig) -> Capabilities:
+    """What the configured backend supports, known before connecting (so a run refuses an
+    unsupported knob before Ray or any actor starts): the local backend's table follows from its
+    engines; a Tinker service is asked (`get_server_capabilities`) and its table applied."""
+    if config.backend == "local":
+        from oneloop.backends.capabilities import local_capabilities
 
-    if isinstance(service, LocalServiceClient):
-        return service.capabilities
+        local = config.local
+        return local_capabilities(
+            local.max_lora_rank,
+            models=(),
+            trainer_engine=local.trainer_engine,
+            sampler_engine=local.sampler_engine,
+        )
     from oneloop.backends.tinker_remote import remote_capabilities
 
     return remote_capabilities(config)

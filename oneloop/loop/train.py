@@ -108,16 +108,16 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     warning = container_free_warning(cfg.tasks.dir, rollout.environment_type, env_import)
     if warning is not None:
         log.warning(warning)
-    service = connect(cfg.backend)
-    if not ray.is_initialized():  # the tinker backend: Ray still runs the trials
-        ray.init(include_dashboard=False, configure_logging=False)
-    caps = capabilities(service, cfg.backend)
+    caps = capabilities(cfg.backend)  # before Ray or any actor starts
     kind = (
         "inflight"
         if cfg.algo.sampler_kind == "auto" and "inflight" in caps.sampler_kinds
         else ("snapshot" if cfg.algo.sampler_kind == "auto" else cfg.algo.sampler_kind)
     )
     check_capabilities(caps, cfg, kind)
+    service = connect(cfg.backend)
+    if not ray.is_initialized():  # the tinker backend: Ray still runs the trials
+        ray.init(include_dashboard=False, configure_logging=False)
     splits, train_tasks, eval_tasks = _tasks(cfg)
     previous = last_checkpoint(cfg.run_dir) if resume else None
     if previous is not None:

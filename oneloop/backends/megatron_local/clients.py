@@ -18,7 +18,8 @@ import ray
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from oneloop.backends.capabilities import Capabilities, local_capabilities
+from oneloop.backends import capabilities as backend_capabilities
+from oneloop.backends.capabilities import Capabilities
 from oneloop.backends.config import BackendConfig
 from oneloop.backends.megatron_local import losses
 from oneloop.backends.megatron_local.actors import MissingWeightsError, SamplerActor, TrainerActor
@@ -511,12 +512,7 @@ class LocalServiceClient:
         self.config = config
         self.run_dir = config.run_dir.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.capabilities: Capabilities = local_capabilities(
-            config.local.max_lora_rank,
-            models=(),
-            trainer_engine=config.local.trainer_engine,
-            sampler_engine=config.local.sampler_engine,
-        )
+        self.capabilities: Capabilities = backend_capabilities(config)
         if not ray.is_initialized():
             ray.init(
                 address=config.local.ray_address,
