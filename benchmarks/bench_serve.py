@@ -223,8 +223,11 @@ def sample_paths(args: argparse.Namespace, via_serve: Any, in_process: Any
     (which path goes first alternates); medians, ratio, and the in-process response."""
     prompt = types.ModelInput.from_ints(list(range(300, 332)))
     params = types.SamplingParams(max_tokens=args.max_tokens, seed=0, stop=[])
-    sampler_serve = via_serve.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
-    sampler_local = in_process.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    kind = args.sampler_kind
+    sampler_serve = via_serve.save_weights_and_get_sampling_client(kind=kind).result(
+        timeout=TIMEOUT_S)
+    sampler_local = in_process.save_weights_and_get_sampling_client(kind=kind).result(
+        timeout=TIMEOUT_S)
     for sampler in (sampler_serve, sampler_local):  # warm-up
         for _ in range(2):
             sampler.sample(prompt, args.num_samples, params).result(timeout=TIMEOUT_S)
@@ -249,6 +252,7 @@ def sample_paths(args: argparse.Namespace, via_serve: Any, in_process: Any
         "sample_s_runs": {"serve": sample_serve, "in_process": sample_local},
         "num_samples": args.num_samples,
         "sample_max_tokens": args.max_tokens,
+        "sampler_kind": kind,
     }, response
 
 
@@ -258,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--num-samples", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--sampler-kind", choices=("snapshot", "inflight"), default="snapshot",
+                        help="kind of the sampling clients timed (serve acks a snapshot sample at "
+                             "once, an inflight one when it is done or after sample_ack_wait_s)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per path (training steps; sample calls)")
     parser.add_argument("--model", default=TINY_MODEL_NAME)
