@@ -386,6 +386,9 @@ def _generate_corpus(number_digits: int = 1) -> list[str]:
 
 
 def _split_pattern(number_digits: int) -> str:
+    """The pre-tokenizer regex; exactly `_SPLIT_PATTERN` at 1, so default builds are unchanged."""
+    if number_digits == 1:
+        return _SPLIT_PATTERN
     return _SPLIT_PATTERN.replace(r"|\p{N}|", rf"|\p{{N}}{{1,{number_digits}}}|", 1)
 
 
