@@ -31,10 +31,11 @@ def _median_times(fns: list, repeats: int) -> list[float]:
 
 def bench_local(args: argparse.Namespace) -> dict[str, float]:
     from oneloop.backends import BackendConfig, connect
-    from oneloop.backends.megatron_local.clients import datum_to_arrays, sample_request
+    from oneloop.backends.megatron_local.clients import datum_to_arrays
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.torch_sampler import TorchSamplerEngine
     from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+    from oneloop.backends.megatron_local.sampling import sample_request
     from oneloop.tiny_model import TINY_MODEL_NAME, build_tiny_model
 
     model_dir = build_tiny_model()
