@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oneloop.backends.ray_runtime import init_ray
 from oneloop.diagnostics.records import DEFAULT_ERROR_PATTERNS
 from oneloop.errors import ConfigError
 
@@ -177,7 +178,6 @@ def tokenizer_path(service: Any, sampler: Any, explicit: str | None) -> str:
 
 async def run_eval(cfg: Any, options: EvalOptions) -> dict[str, Any]:
     """Run the trials, write every output, return the summary (see module docstring)."""
-    import ray
     from transformers import AutoTokenizer
 
     from oneloop.agents.providers import container_free_warning, preflight_environment
@@ -200,8 +200,7 @@ async def run_eval(cfg: Any, options: EvalOptions) -> dict[str, Any]:
     if not tasks:
         raise ConfigError(f"--split {options.split}: the config's tasks have no such tasks")
     service = connect(cfg.backend)
-    if not ray.is_initialized():  # the tinker backend: Ray still runs the trials
-        ray.init(include_dashboard=False, configure_logging=False)
+    init_ray(include_dashboard=False, configure_logging=False)  # tinker: Ray runs the trials
     status = "errored"
     try:
         base_model = options.base_model or cfg.model.base_model

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
 from tinker import types
 
 from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate_tasks
@@ -24,6 +23,7 @@ from oneloop.agents.providers import container_free_warning, preflight_environme
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
 from oneloop.backends import capabilities, connect
 from oneloop.backends.capabilities import Capabilities
+from oneloop.backends.ray_runtime import init_ray
 from oneloop.errors import CapabilityError
 from oneloop.loop.advantages import (
     ScoredGroup,
@@ -116,8 +116,7 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     )
     check_capabilities(caps, cfg, kind)
     service = connect(cfg.backend)
-    if not ray.is_initialized():  # the tinker backend: Ray still runs the trials
-        ray.init(include_dashboard=False, configure_logging=False)
+    init_ray(include_dashboard=False, configure_logging=False)  # tinker: Ray runs the trials
     splits, train_tasks, eval_tasks = _tasks(cfg)
     previous = last_checkpoint(cfg.run_dir) if resume else None
     if previous is not None:

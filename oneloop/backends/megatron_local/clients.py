@@ -38,6 +38,7 @@ from oneloop.backends.megatron_local.sampling import (
     sampler_recoverable,
     token_ids,
 )
+from oneloop.backends.ray_runtime import init_ray
 from oneloop.errors import CapabilityError, RequestError
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -287,14 +288,13 @@ class LocalServiceClient:
         self.run_dir = config.run_dir.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.capabilities: Capabilities = backend_capabilities(config)
-        if not ray.is_initialized():
-            ray.init(
-                address=config.local.ray_address,
-                num_cpus=config.local.ray_num_cpus,
-                include_dashboard=False,
-                log_to_driver=True,
-                configure_logging=False,
-            )
+        init_ray(
+            address=config.local.ray_address,
+            num_cpus=config.local.ray_num_cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
         self._samplers: dict[str, SamplerPool] = {}
         self._layouts: dict[Any, Any] = {}
         self._groups: set[tuple[Any, Any, str]] = set()  # NCCL weight groups opened
