@@ -9,7 +9,7 @@ calls are submitted to its Ray actor in call order, so they run in submission or
 
 import itertools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +96,37 @@ class LocalTrainingClient:
         loss_fn_config: Mapping[str, float | str] | None,
         forward_only: bool,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        return self._submit_arrays(
+            lambda: [datum_to_arrays(d, loss_fn, i) for i, d in enumerate(data)],
+            len(data), loss_fn, loss_fn_config, forward_only,
+        )
+
+    def forward_backward_arrays(
+        self,
+        arrays: list[DatumArrays],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float | str] | None,
+        forward_only: bool,
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        """`forward_backward` (or `forward`) on datums already in engine form that passed the
+        checks of `datum_to_arrays` (`oneloop serve` decodes protobuf bodies straight into them,
+        checking the whole batch at once: `serve/proto_scan.py`)."""
+        return self._submit_arrays(lambda: arrays, len(arrays), loss_fn, loss_fn_config,
+                                   forward_only)  # fmt: skip
+
+    def _submit_arrays(
+        self,
+        make_arrays: Callable[[], list[DatumArrays]],
+        count: int,
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float | str] | None,
+        forward_only: bool,
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         self._service.capabilities.check(loss_fns=[loss_fn])
         config = losses.validate_loss_config(loss_fn, loss_fn_config)
-        if not data:
+        if not count:
             raise RequestError("data: forward_backward needs at least one datum")
-        arrays = [datum_to_arrays(d, loss_fn, i) for i, d in enumerate(data)]
-        ref = self._actor.forward_backward.remote(arrays, loss_fn, config, forward_only)
+        ref = self._actor.forward_backward.remote(make_arrays(), loss_fn, config, forward_only)
         return chain(ref, forward_output)
 
     def forward(

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 
 from . import proto
+from .proto_scan import ScannedForwardBackward, decode_request
 from .service import ServeService
 from .wire import (
     CancelFutureRequest,
@@ -197,9 +198,9 @@ def build_app(
             raise WireError(f"content-encoding: unsupported {encoding[:40]!r} (use zstd)", 415)
         body = await request.body()
 
-        def decode() -> tuple[proto.DecodedForwardBackward, bytes]:
+        def decode() -> tuple[proto.DecodedForwardBackward | ScannedForwardBackward, bytes]:
             raw = _decompress(body, max_decompressed_bytes) if encoding == "zstd" else body
-            return proto.decode_forward_backward(raw), raw
+            return decode_request(raw), raw
 
         decoded, raw = await asyncio.to_thread(decode)
         return _json(service.forward_backward(decoded, raw))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import get_args
+from typing import Any, get_args
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -63,21 +63,43 @@ class DecodedForwardBackward:
     input: types.ForwardBackwardInput
     num_tokens: int
 
+    def submit(self, client: Any) -> Any:
+        """Start the call on a training client (`forward` or `forward_backward`)."""
+        fb = self.input
+        call = client.forward if self.forward_only else client.forward_backward
+        return call(fb.data, fb.loss_fn, fb.loss_fn_config)
+
 
 def decode_forward_backward(body: bytes) -> DecodedForwardBackward:
-    """Parse and validate a `ForwardBackwardRequest` protobuf."""
+    """Parse and validate a `ForwardBackwardRequest` protobuf (the reference path: `proto_scan`
+    decodes the usual bodies straight into engine arrays and falls back to this one)."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except DecodeError as e:
         raise WireError(f"body: not a ForwardBackwardRequest protobuf ({e})") from e
+    config = check_header(msg, has_data=bool(msg.data))
+    data, num_tokens = decode_data(msg.data)
+    return DecodedForwardBackward(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        forward_only=msg.forward_only,
+        input=types.ForwardBackwardInput(
+            data=data, loss_fn=msg.loss_fn, loss_fn_config=config or None  # type: ignore[arg-type]
+        ),
+        num_tokens=num_tokens,
+    )
+
+
+def check_header(msg: pb.ForwardBackwardRequest, has_data: bool) -> dict[str, float | str]:
+    """Check a request's fields other than the datums; its loss config (empty when none)."""
     if not msg.model_id:
         raise WireError("model_id: required")
     if msg.seq_id < 0:
         raise WireError(f"seq_id: must be >= 0, got {msg.seq_id}")
     if msg.loss_fn not in LOSS_FNS:
         raise WireError(f"loss_fn: must be one of {sorted(LOSS_FNS)}, got {msg.loss_fn!r}")
-    if not msg.data:
+    if not has_data:
         raise WireError("data: at least one datum is required")
     config: dict[str, float | str] = {}
     if msg.loss_fn_config_v2:
@@ -91,16 +113,7 @@ def decode_forward_backward(body: bytes) -> DecodedForwardBackward:
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise WireError(f"loss_fn_config[{key!r}]: must be finite, got {value}")
-    data, num_tokens = decode_data(msg.data)
-    return DecodedForwardBackward(
-        model_id=msg.model_id,
-        seq_id=msg.seq_id,
-        forward_only=msg.forward_only,
-        input=types.ForwardBackwardInput(
-            data=data, loss_fn=msg.loss_fn, loss_fn_config=config or None  # type: ignore[arg-type]
-        ),
-        num_tokens=num_tokens,
-    )
+    return config
 
 
 def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:

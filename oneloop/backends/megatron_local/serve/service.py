@@ -41,6 +41,7 @@ from oneloop.errors import CheckpointNotFoundError, RequestError
 
 from . import proto
 from .futures import FutureStore, Job, ModelSequencer, Outcome, SeenIds, await_backend, digest
+from .proto_scan import ScannedForwardBackward
 from .state import CheckpointStore, ModelSlot, Registry, SamplerSlot
 from .wire import (
     WireError,
@@ -273,18 +274,14 @@ class ServeService:
         request_id = slot.sequencer.offer(seq_id, digest(payload), request_type, make_job)
         return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
-    def forward_backward(self, req: proto.DecodedForwardBackward, raw: bytes
-                         ) -> types.UntypedAPIFuture:
-        fb = req.input
-        method = "forward" if req.forward_only else "forward_backward"
-
+    def forward_backward(self, req: proto.DecodedForwardBackward | ScannedForwardBackward,
+                         raw: bytes) -> types.UntypedAPIFuture:
         def encode(out: types.ForwardBackwardOutput) -> Outcome:
             return Outcome(proto.encode_forward_backward_output(out), PROTO)
 
         return self._ordered(
             req.model_id, req.seq_id, "Forward" if req.forward_only else "ForwardBackward", raw,
-            lambda client: getattr(client, method)(fb.data, fb.loss_fn, fb.loss_fn_config),
-            encode,
+            req.submit, encode,
         )
 
     def optim_step(self, req: types.OptimStepRequest) -> types.UntypedAPIFuture:

@@ -1,0 +1,324 @@
+"""The fast way from a `/forward_backward` body straight to the trainer engine's arrays.
+
+The reference path (`proto.decode_forward_backward`, then the local client's `datum_to_arrays`)
+parses the body with the generated message class, builds a `tinker.types.Datum` per datum and
+converts each to `DatumArrays` after `losses.validate_datum_inputs`: tens of microseconds of
+Python per datum. `scan_forward_backward` reads the datums' bytes itself and makes the same
+`DatumArrays` directly, checked per field over the whole batch:
+
+- The request's top-level fields are walked once. Every field other than `data` (model id, seq
+  id, loss, its config: a few bytes) is parsed by the generated class and checked by
+  `proto.check_header`, so their meaning is protobuf's own.
+- A datum is read by a strict reader that accepts only the form the SDK writes: token chunks
+  (non-empty, whole int32s), then `loss_fn_inputs` entries (key, then a dense tensor: bytes,
+  dtype, optional 1-D shape, in that order), no spans, no other field.
+- When every datum record has the same byte length (equal-length sequences, the usual training
+  batch) only the first is read: every other record's bytes outside the payloads (tags, lengths,
+  keys, dtypes, shapes) are compared with the first's in one numpy operation. Equal framing bytes
+  mean equal structure, so each payload is one strided (datums, length) view of the body.
+  Otherwise each datum is read in turn and each field's payloads are joined.
+- Values are checked per field over the batch: token ids and targets >= 0, floats finite; keys
+  are exactly `target_tokens` (int64) and the loss's inputs (float32), all of the datum's length.
+
+Anything else (another form, a value the checks refuse, a malformed body) gives None, and the
+caller decodes the body on the reference path, which answers as it always did: the same
+`WireError` naming the field, or the same accepted request. So this path changes speed, never an
+answer (tests/test_serve_proto_scan.py checks it against the reference on random and edge
+inputs). Little-endian hosts only, like the reference's `np.frombuffer` reads of the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from oneloop.backends.megatron_local.engines.base import DatumArrays
+from oneloop.backends.megatron_local.losses import REQUIRED_INPUTS
+
+from . import proto
+from .wire import WireError
+
+_TARGET = b"target_tokens"
+_INT64, _FLOAT32 = pb.DTYPE_INT64, pb.DTYPE_FLOAT32
+_ITEMSIZE = {_FLOAT32: 4, _INT64: 8}
+# loss -> {input name (bytes, as on the wire): wire dtype}: what `validate_datum_inputs` accepts
+# and `datum_to_arrays` passes through unconverted (other dtypes take the reference path).
+_EXPECTED = {
+    loss: {_TARGET: _INT64, **{name.encode(): _FLOAT32 for name in inputs}}
+    for loss, inputs in REQUIRED_INPUTS.items()
+}
+_DATA_TAG = 0x1A  # ForwardBackwardRequest field 3 (data), length-delimited
+_new = object.__new__
+_set = object.__setattr__
+
+
+class _Other(Exception):
+    """The body is not in the form this reader takes: use the reference path."""
+
+
+@dataclass(frozen=True)
+class ScannedForwardBackward:
+    """A `/forward_backward` body decoded into the trainer engine's arrays."""
+
+    model_id: str
+    seq_id: int
+    forward_only: bool
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None
+    arrays: list[DatumArrays]
+    num_tokens: int
+
+    def submit(self, client: Any) -> Any:
+        """Start the call on a local training client (its `forward_backward_arrays`)."""
+        return client.forward_backward_arrays(
+            self.arrays, self.loss_fn, self.loss_fn_config, self.forward_only
+        )
+
+
+def decode_request(body: bytes) -> ScannedForwardBackward | proto.DecodedForwardBackward:
+    """The fast path's result, or the reference decoder's (which raises `WireError`)."""
+    return scan_forward_backward(body) or proto.decode_forward_backward(body)
+
+
+def scan_forward_backward(body: bytes) -> ScannedForwardBackward | None:
+    """`body` decoded and checked into engine arrays, or None (see the module docstring)."""
+    try:
+        header, records = _split(body)
+        msg = pb.ForwardBackwardRequest.FromString(header)
+        config = proto.check_header(msg, has_data=bool(records))
+        expected = _EXPECTED.get(msg.loss_fn)
+        if expected is None:
+            return None
+        arrays, num_tokens = _arrays(body, records, expected)
+    except (_Other, WireError, DecodeError, IndexError, ValueError):
+        return None
+    return ScannedForwardBackward(
+        model_id=msg.model_id, seq_id=msg.seq_id, forward_only=msg.forward_only,
+        loss_fn=msg.loss_fn, loss_fn_config=config or None, arrays=arrays,
+        num_tokens=num_tokens,
+    )  # fmt: skip
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """(value, next position) of the base-128 varint at `pos`."""
+    byte = buf[pos]
+    if byte < 0x80:
+        return byte, pos + 1
+    value, shift = byte & 0x7F, 7
+    while True:
+        pos += 1
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos + 1
+        shift += 7
+        if shift > 63:
+            raise _Other
+
+
+def _split(body: bytes) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """The request's non-`data` fields as one message, and each datum as (record start, payload
+    start, end): a record is the datum's tag, length and payload."""
+    records: list[tuple[int, int, int]] = []
+    header: list[bytes] = []
+    pos, end = 0, len(body)
+    while pos < end:
+        start = pos
+        if body[pos] == _DATA_TAG:
+            size, pos = _varint(body, pos + 1)
+            records.append((start, pos, pos + size))
+            pos += size
+            continue
+        key, pos = _varint(body, pos)
+        wire_type = key & 7
+        if key >> 3 == 3 or wire_type not in (0, 1, 2, 5):
+            raise _Other  # data of another wire type, or a group
+        if wire_type == 0:
+            pos = _varint(body, pos)[1]
+        elif wire_type == 2:
+            size, pos = _varint(body, pos)
+            pos += size
+        else:
+            pos += 8 if wire_type == 1 else 4
+        header.append(body[start:pos])
+    if pos != end:
+        raise _Other  # the last field runs past the body
+    return b"".join(header), records
+
+
+# One datum's layout: token chunks [(offset, bytes)] and inputs [(name, dtype, offset, bytes)].
+_Layout = tuple[list[tuple[int, int]], list[tuple[bytes, int, int, int]]]
+
+
+def _read_datum(buf: bytes, pos: int, end: int) -> _Layout:
+    """The layout of the datum payload buf[pos:end] in the SDK's form; raises `_Other` (or
+    IndexError) for anything else. Offsets are absolute."""
+    chunks: list[tuple[int, int]] = []
+    inputs: list[tuple[bytes, int, int, int]] = []
+    while pos < end:
+        tag = buf[pos]
+        size, pos = _varint(buf, pos + 1)
+        stop = pos + size
+        if tag == 0x0A:  # model_input: Chunk{encoded_text: EncodedTextChunk{tokens}}
+            if buf[pos] != 0x0A:
+                raise _Other
+            size, pos = _varint(buf, pos + 1)
+            if pos + size != stop or buf[pos] != 0x0A:
+                raise _Other
+            size, pos = _varint(buf, pos + 1)
+            if pos + size != stop or not size or size & 3:
+                raise _Other
+            chunks.append((pos, size))
+        elif tag == 0x12:  # loss_fn_inputs entry: key, then value Tensor{dense, dtype, shape}
+            if buf[pos] != 0x0A:
+                raise _Other
+            size, pos = _varint(buf, pos + 1)
+            name = buf[pos : pos + size]
+            pos += size
+            if buf[pos] != 0x12:
+                raise _Other
+            size, pos = _varint(buf, pos + 1)
+            if pos + size != stop or buf[pos] != 0x0A:
+                raise _Other
+            size, at = _varint(buf, pos + 1)
+            pos = at + size
+            dtype = buf[pos + 1]
+            if buf[pos] != 0x18 or dtype not in _ITEMSIZE or size % _ITEMSIZE[dtype]:
+                raise _Other
+            pos += 2
+            if pos < stop:  # shape: packed int64, one dimension equal to the element count
+                if buf[pos] != 0x22:
+                    raise _Other
+                length, pos = _varint(buf, pos + 1)
+                dim, after = _varint(buf, pos)
+                if after != pos + length or dim * _ITEMSIZE[dtype] != size:
+                    raise _Other
+                pos = after
+            if pos != stop:
+                raise _Other
+            inputs.append((name, dtype, at, size))
+        else:
+            raise _Other
+        pos = stop
+    if pos != end or not chunks:
+        raise _Other
+    return chunks, inputs
+
+
+def _check_inputs(layout: _Layout, expected: dict[bytes, int]) -> int:
+    """The datum's token count, if its inputs are exactly the loss's, of its length and dtype."""
+    chunks, inputs = layout
+    tokens = sum(size for _, size in chunks) >> 2
+    if len(inputs) != len(expected) or len({name for name, *_ in inputs}) != len(inputs):
+        raise _Other
+    for name, dtype, _, size in inputs:
+        if expected.get(name) != dtype or size != tokens * _ITEMSIZE[dtype]:
+            raise _Other
+    return tokens
+
+
+def _arrays(
+    body: bytes, records: list[tuple[int, int, int]], expected: dict[bytes, int]
+) -> tuple[list[DatumArrays], int]:
+    first = records[0]
+    layout = _read_datum(body, first[1], first[2])
+    length = _check_inputs(layout, expected)
+    width = first[2] - first[0]
+    uniform = all(
+        end - start == width and start == first[0] + i * width
+        for i, (start, _, end) in enumerate(records)
+    )
+    same = _uniform(body, records, layout, width) if uniform else None
+    if same is not None:
+        tokens, fields = same
+        lengths = [length] * len(records)
+    else:  # ragged, or equal widths framed differently (e.g. chunked otherwise)
+        tokens, fields, lengths = _ragged(body, records, expected)
+    if tokens.size and tokens.min() < 0:
+        raise _Other  # the reference path names the datum and chunk
+    for name, values in fields.items():
+        if name == _TARGET:
+            if values.size and values.min() < 0:
+                raise _Other
+        elif not np.isfinite(values).all():
+            raise _Other
+    return _datum_arrays(tokens, fields, lengths), int(tokens.size)
+
+
+def _uniform(
+    body: bytes, records: list[tuple[int, int, int]], layout: _Layout, width: int
+) -> tuple[np.ndarray, dict[bytes, np.ndarray]] | None:
+    """Tokens (datums, T) int64 and each input (datums, T), for records of one byte length
+    laid end to end, if every record's framing bytes equal the first's (else None)."""
+    base = records[0][0]
+    rows = np.frombuffer(body, np.uint8, count=len(records) * width, offset=base)
+    rows = rows.reshape(len(records), width)
+    chunks, inputs = layout
+    framing = np.ones(width, bool)
+    for at, size in chunks:
+        framing[at - base : at - base + size] = False
+    for _, _, at, size in inputs:
+        framing[at - base : at - base + size] = False
+    columns = np.flatnonzero(framing)
+    heads = rows[:, columns]
+    if not (heads[1:] == heads[0]).all():
+        return None
+    parts = [rows[:, at - base : at - base + size].view(np.int32) for at, size in chunks]
+    tokens = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)).astype(np.int64)
+    fields = {
+        name: rows[:, at - base : at - base + size].view(
+            np.int64 if dtype == _INT64 else np.float32).copy()
+        for name, dtype, at, size in inputs
+    }  # fmt: skip
+    return tokens, fields
+
+
+def _ragged(
+    body: bytes, records: list[tuple[int, int, int]], expected: dict[bytes, int]
+) -> tuple[np.ndarray, dict[bytes, np.ndarray], list[int]]:
+    """Tokens int64 and each input, all datums joined (datum by datum), and each datum's length."""
+    view = memoryview(body)
+    token_parts: list[memoryview] = []
+    parts: dict[bytes, list[memoryview]] = {name: [] for name in expected}
+    lengths: list[int] = []
+    for _, start, end in records:
+        layout = _read_datum(body, start, end)
+        lengths.append(_check_inputs(layout, expected))
+        for at, size in layout[0]:
+            token_parts.append(view[at : at + size])
+        for name, _, at, size in layout[1]:
+            parts[name].append(view[at : at + size])
+    tokens = np.frombuffer(b"".join(token_parts), np.int32).astype(np.int64)
+    fields = {
+        name: np.frombuffer(bytearray().join(p), np.int64 if expected[name] == _INT64
+                            else np.float32)  # a bytearray join: one copy, writable
+        for name, p in parts.items()
+    }  # fmt: skip
+    return tokens, fields, lengths
+
+
+def _datum_arrays(
+    tokens: np.ndarray, fields: dict[bytes, np.ndarray], lengths: list[int]
+) -> list[DatumArrays]:
+    """One `DatumArrays` per datum, every array a view of the batch's arrays; built without
+    the frozen dataclass's per-field `__setattr__` (the same fields as `DatumArrays(...)`)."""
+    targets = fields.pop(_TARGET)
+    names = [name.decode() for name in fields]
+    if tokens.ndim == 2:  # the uniform layout: one row per datum
+        columns = [list(tokens), list(targets), *(list(v) for v in fields.values())]
+    else:
+        ends = np.cumsum(lengths).tolist()
+        starts = [0, *ends[:-1]]
+        columns = [[flat[a:b] for a, b in zip(starts, ends, strict=True)]
+                   for flat in (tokens, targets, *fields.values())]  # fmt: skip
+    out: list[DatumArrays] = []
+    for row in zip(*columns, strict=True):
+        datum = _new(DatumArrays)
+        _set(datum, "__dict__", {"tokens": row[0], "targets": row[1],
+                                 "inputs": dict(zip(names, row[2:], strict=True))})  # fmt: skip
+        out.append(datum)
+    return out
