@@ -1,0 +1,182 @@
+"""Encoding a `SampleResponse` result the way `response_conv.deserialize_sample_response` reads it.
+
+Wire facts: tokens int32, logprobs float32, prompt logprobs float32 with NaN for "not
+computed"; top-k as dense `(length, k)` matrices with the sentinel (token 0, logprob -99999.0)
+for empty cells. `sequence_id` is not on the wire: the SDK stamps the ids from the asample
+acknowledgement (`sample_sequence_ids`) onto the sequences.
+
+Two encoders, byte for byte the same output:
+- `_encode_joined`, for the usual response (every sequence holds numpy int32 tokens, all or none
+  hold float32 logprobs, no top-k): each sequence's framing bytes (tag, length, stop reason, the
+  tokens' tag and length; cached per (length, stop reason)) are joined with the arrays' own
+  buffers in one `bytes.join`, so a sequence costs a few C-level steps and no Python loop body.
+  A 64 x 32-token response is bound by reading the 64 objects' fields (~0.2 us each).
+- the generated message class, for everything else; it also names a bad field.
+The message's other fields (prompt logprobs, top-k, cache hits) follow as a second
+generated-class serialization (fields 2-4 after the sequences, as the class itself orders them).
+The numpy fields (`tokens_np`, `logprobs_np`, `prompt_logprobs_np`) are used when present, so the
+SDK's lazy Python lists are never built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from itertools import chain
+from operator import attrgetter, itemgetter
+
+import numpy as np
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
+
+STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+_INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
+# The fields the joined encoder reads, `SampledSequence` being tinker 0.38's frozen dataclass
+# (the private list fields are read directly: the public properties would build and cache them).
+_FIELDS = ("tokens_np", "logprobs_np", "stop_reason", "topk_logprobs_np", "_topk_logprobs_list")
+_KNOWN = {f.name for f in dataclasses.fields(types.SampledSequence)} >= {*_FIELDS, "_logprobs_list"}
+_read_fields = attrgetter(*_FIELDS)
+_read_logprobs_list = attrgetter("_logprobs_list")
+_dtype, _size = attrgetter("dtype"), attrgetter("size")
+_first, _second = itemgetter(0), itemgetter(1)
+# Below this many sequences the joined encoder's fixed cost (~5 us) outweighs what it saves over
+# the generated class (measured: 1 sequence 5.6 us vs 2.7 us, 4: 7.5 vs 7.0, 6: 8.7 vs 9.6,
+# 64 x 32 tokens: 43 us vs 87 us).
+JOIN_MIN_SEQUENCES = 5
+
+
+def encode_sample_response(resp: types.SampleResponse) -> bytes:
+    """Serialize a `SampleResponse` the way `response_conv.deserialize_sample_response` reads it."""
+    joined = _encode_joined(resp) if _KNOWN and len(resp.sequences) >= JOIN_MIN_SEQUENCES else None
+    if joined is not None:
+        return joined
+    msg = _rest(resp)
+    for i, seq in enumerate(resp.sequences):
+        if seq.stop_reason not in STOP_REASONS:
+            raise ValueError(f"sequences[{i}].stop_reason: unknown {seq.stop_reason!r}")
+        out = msg.sequences.add(stop_reason=STOP_REASONS[seq.stop_reason])
+        tokens = seq.tokens_np if seq.tokens_np is not None else seq.tokens
+        out.tokens = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        logprobs = seq.logprobs_np if seq.logprobs_np is not None else seq.logprobs
+        if logprobs is not None:
+            out.logprobs = np.ascontiguousarray(logprobs, dtype=np.float32).tobytes()
+        if seq.topk_logprobs is not None:
+            _fill_topk(out.topk_sampled_logprobs,
+                       _as_topk(seq.topk_logprobs_np, seq.topk_logprobs))  # fmt: skip
+    return msg.SerializeToString()
+
+
+def _rest(resp: types.SampleResponse) -> pb.SampleResponse:
+    """The message's fields other than `sequences`."""
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=int(resp.prompt_cache_hit_tokens))
+    if resp.prompt_logprobs_np is not None:  # NaN already marks "not computed"
+        msg.prompt_logprobs = np.ascontiguousarray(resp.prompt_logprobs_np, np.float32).tobytes()
+    elif resp.prompt_logprobs is not None:
+        values = [math.nan if v is None else v for v in resp.prompt_logprobs]
+        msg.prompt_logprobs = np.array(values, dtype=np.float32).tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        _fill_topk(msg.topk_prompt_logprobs,
+                   _as_topk(resp.topk_prompt_logprobs_np, resp.topk_prompt_logprobs))  # fmt: skip
+    return msg
+
+
+class _Framing(dict[tuple[int, int], tuple[bytes, bytes]]):
+    """(tokens, stop reason) -> a sequence's framing: the bytes before its tokens and the bytes
+    between its tokens and logprobs (empty without logprobs), as the generated class writes
+    them (a zero stop reason and empty tokens are left out; logprobs, optional, are not)."""
+
+    def __init__(self, with_logprobs: bool) -> None:
+        super().__init__()
+        self.with_logprobs = with_logprobs
+
+    def __missing__(self, key: tuple[int, int]) -> tuple[bytes, bytes]:
+        length, stop = key
+        size = _varint(4 * length)
+        fields = b"\x08" + _varint(stop) if stop else b""
+        tokens = b"\x12" + size if length else b""  # SampledSequence field 2
+        between = b"\x1a" + size if self.with_logprobs else b""  # field 3
+        body = (
+            len(fields)
+            + len(tokens)
+            + len(between)
+            + 4 * length * (bool(length) + self.with_logprobs)
+        )
+        value = self[key] = (b"\x0a" + _varint(body) + fields + tokens, between)
+        return value
+
+
+_FRAMING = {True: _Framing(True), False: _Framing(False)}
+_FRAMING_CACHE_MAX = 1 << 16  # distinct (length, stop reason) keys kept per table
+
+
+def _encode_joined(resp: types.SampleResponse) -> bytes | None:
+    """The bytes of a response of numpy int32 tokens, float32 logprobs of the same sizes on
+    every sequence or on none, and no top-k; None for any other response."""
+    seqs = resp.sequences
+    count = len(seqs)
+    tokens, logprobs, stop_names, topk, topk_lists = zip(*map(_read_fields, seqs), strict=True)
+    try:
+        if topk.count(None) != count or topk_lists.count(None) != count:
+            return None
+        if set(map(_dtype, tokens)) != {_INT32}:
+            return None
+        with_logprobs = logprobs[0] is not None
+        if with_logprobs:
+            if set(map(_dtype, logprobs)) != {_FLOAT32}:
+                return None
+        elif (
+            logprobs.count(None) != count
+            or list(map(_read_logprobs_list, seqs)).count(None) != count
+        ):
+            return None
+        stops = list(map(STOP_REASONS.__getitem__, stop_names))
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return None  # a list field, an unknown stop reason: the generated class takes it
+    lengths = list(map(_size, tokens))  # the generated class flattens any shape alike
+    if with_logprobs and lengths != list(map(_size, logprobs)):
+        return None
+    framing = _FRAMING[with_logprobs]
+    if len(framing) > _FRAMING_CACHE_MAX:
+        framing.clear()
+    frames = list(map(framing.__getitem__, zip(lengths, stops, strict=True)))
+    if with_logprobs:
+        parts = zip(map(_first, frames), tokens, map(_second, frames), logprobs, strict=True)
+    else:
+        parts = zip(map(_first, frames), tokens, strict=True)
+    try:
+        sequences = b"".join(chain.from_iterable(parts))
+    except TypeError:
+        return None  # an array that is not C-contiguous
+    return sequences + _rest(resp).SerializeToString()
+
+
+def _varint(value: int) -> bytes:
+    """The protobuf base-128 varint of a non-negative int."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _as_topk(
+    dense: TopkLogprobs | None, rows: list[list[tuple[int, float]] | None]
+) -> TopkLogprobs:
+    if dense is not None:
+        return dense
+    k = max((len(r) for r in rows if r), default=0)
+    token_ids = np.zeros((len(rows), k), dtype=np.int32)
+    logprobs = np.full((len(rows), k), MASK_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row or []):
+            token_ids[i, j], logprobs[i, j] = token, logprob
+    return TopkLogprobs(token_ids=token_ids, logprobs=logprobs)
+
+
+def _fill_topk(msg: pb.TopkLogprobs, topk: TopkLogprobs) -> None:
+    length, k = topk.token_ids.shape
+    msg.length, msg.k = length, k
+    msg.token_ids = np.ascontiguousarray(topk.token_ids, dtype=np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(topk.logprobs, dtype=np.float32).tobytes()
