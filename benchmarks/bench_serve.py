@@ -9,9 +9,12 @@ Measures, in one run on the same machine and backend:
   * request (`/forward_backward` body), a token = one position of a datum's model input (on the
     wire: an int32 id + an int64 target + a float32 weight, 16 bytes): the SDK's encoder
     (`request_conv.forward_backward_request_to_proto(...).SerializeToString()`, as
-    `resources/training.py` does) and the server's `decode_forward_backward`; also the server's
-    whole way from the body to the engine's arrays (`decode_forward_backward` + the backend's
-    `datum_to_arrays`, what `forward_backward` does before a Ray call);
+    `resources/training.py` does) and the server's reference decoder `decode_forward_backward`
+    (to `tinker.types`, taken only for bodies the fast path declines); and the server's whole
+    way from the body to the engine's arrays, what it does before the Ray call (`to_engine`:
+    `proto_scan.decode_request`, straight to `DatumArrays`), on the equal-length batch and on
+    `request_ragged` (lengths drawn from [seq_len / 2, seq_len], same token budget);
+    `codec/request_fast_path` says whether each body took the fast path;
   * output (`ForwardBackwardOutput` result), a token = one target logprob (float32): the
     server's `encode_forward_backward_output` and the SDK's `deserialize_forward_backward_output`;
   * sample result, a token = one sampled token (int32 id + float32 logprob): the server's
@@ -53,12 +56,17 @@ from tinker.proto.response_conv import (
 
 from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.clients import datum_to_arrays, forward_output
-from oneloop.backends.megatron_local.engines.base import ForwardResult
+from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 from oneloop.backends.megatron_local.serve.proto import (
     decode_forward_backward,
     encode_forward_backward_output,
     encode_sample_response,
+)
+from oneloop.backends.megatron_local.serve.proto_scan import (
+    ScannedForwardBackward,
+    decode_request,
+    scan_forward_backward,
 )
 from oneloop.tiny_model import TINY_MODEL_NAME
 
@@ -66,16 +74,21 @@ TIMEOUT_S = 1800
 GOAL_CODEC_TOKENS_PER_S = 200e6
 
 
-def batch(tokens: int, seq_len: int, seed: int = 0) -> list[types.Datum]:
+def batch(tokens: int, seq_len: int, seed: int = 0, ragged: bool = False) -> list[types.Datum]:
+    """Datums of `seq_len` tokens, `tokens` in all (`ragged`: lengths drawn from
+    [seq_len / 2, seq_len], as many datums as fit in `tokens`)."""
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(max(1, tokens // seq_len)):
-        ids = rng.integers(300, 1000, seq_len + 1)
+    left = tokens
+    while left >= seq_len or not out:
+        length = int(rng.integers(max(1, seq_len // 2), seq_len + 1)) if ragged else seq_len
+        ids = rng.integers(300, 1000, length + 1)
         out.append(types.Datum(
             model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
             loss_fn_inputs={"target_tokens": ids[1:].astype(np.int64),
-                            "weights": np.ones(seq_len, np.float32)},
+                            "weights": np.ones(length, np.float32)},
         ))
+        left -= length
     return out
 
 
@@ -103,16 +116,20 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
     """Tokens/s of each codec half and of each message's round trip (module docstring).
     `samples` maps a label (e.g. `sample_64x32`) to a sample response timed under that label."""
     tokens = sum(d.model_input.length for d in data)
+    seq_len = max(d.model_input.length for d in data)
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
         model_id="bench:train:0", seq_id=1,
     )
     body = forward_backward_request_to_proto(request).SerializeToString()
 
-    def to_engine() -> None:
-        decoded = decode_forward_backward(body)
-        for i, datum in enumerate(decoded.input.data):
-            datum_to_arrays(datum, decoded.input.loss_fn, i)
+    ragged = batch(tokens, seq_len, seed=2, ragged=True)
+    ragged_body = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=ragged, loss_fn="cross_entropy"),
+        model_id="bench:train:0", seq_id=1,
+    )).SerializeToString()  # fmt: skip
+    fast = {"request": scan_forward_backward(body) is not None,
+            "request_ragged": scan_forward_backward(ragged_body) is not None}  # fmt: skip
 
     out_tokens = sum(o["logprobs"].to_numpy().size for o in output.loss_fn_outputs)
     out_body = encode_forward_backward_output(output)
@@ -120,12 +137,15 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
         "request/sdk_encode": median_s(
             lambda: forward_backward_request_to_proto(request).SerializeToString(), repeats),
         "request/serve_decode": median_s(lambda: decode_forward_backward(body), repeats),
-        "request/serve_decode_to_engine_arrays": median_s(to_engine, repeats),
+        "request/serve_decode_to_engine_arrays": median_s(lambda: to_engine(body), repeats),
+        "request_ragged/serve_decode_to_engine_arrays": median_s(
+            lambda: to_engine(ragged_body), repeats),
         "output/serve_encode": median_s(lambda: encode_forward_backward_output(output), repeats),
         "output/sdk_decode": median_s(
             lambda: deserialize_forward_backward_output(out_body), repeats),
     }
-    count = {"request": tokens, "output": out_tokens}
+    count = {"request": tokens, "output": out_tokens,
+             "request_ragged": sum(d.model_input.length for d in ragged)}  # fmt: skip
     sizes = {"codec/request_bytes": len(body), "codec/output_bytes": len(out_body)}
     for label, sample in samples.items():
         sample_body = encode_sample_response(sample)
@@ -142,8 +162,19 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
     for message, enc, dec in trips:
         both = seconds[f"{message}/{enc}"] + seconds[f"{message}/{dec}"]
         rates[f"codec/{message}/round_trip_tokens_per_s"] = count[message] / both
-    return {**rates, "codec/tokens": count, **sizes,
+    return {**rates, "codec/tokens": count, **sizes, "codec/request_fast_path": fast,
             "codec/goal_tokens_per_s": GOAL_CODEC_TOKENS_PER_S}
+
+
+def to_engine(body: bytes) -> list[DatumArrays]:
+    """What the server does with a `/forward_backward` body before the Ray call: the fast path
+    (`decode_request`: straight to engine arrays), or for a body it declines the reference
+    decoder and the local client's `datum_to_arrays`."""
+    decoded = decode_request(body)
+    if isinstance(decoded, ScannedForwardBackward):
+        return decoded.arrays
+    fb = decoded.input
+    return [datum_to_arrays(d, fb.loss_fn, i) for i, d in enumerate(fb.data)]
 
 
 def print_codec(results: dict[str, Any]) -> None:
@@ -155,7 +186,7 @@ def print_codec(results: dict[str, Any]) -> None:
         if key.startswith("codec/") and key.endswith("_tokens_per_s") and "goal" not in key:
             name = key.removeprefix("codec/").removesuffix("_tokens_per_s")
             side = "ours" if "serve" in name else "SDK " if "sdk" in name else "both"
-            print(f"  {name:42s} [{side}] {value / 1e6:9.1f} M tokens/s  "
+            print(f"  {name:46s} [{side}] {value / 1e6:9.1f} M tokens/s  "
                   f"{'meets' if value >= goal else 'misses'} the goal ({value / goal:.2f}x)")
 
 
