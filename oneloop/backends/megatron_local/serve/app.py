@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 
 from . import proto
+from .hot_routes import HotRoutes
 from .proto_scan import ScannedForwardBackward, decode_request
 from .service import ServeService
 from .wire import (
@@ -95,8 +96,9 @@ def build_app(
     use_pyqwest: bool,
     max_decompressed_bytes: int,
     gap_timeout_s: float,
-) -> FastAPI:
-    """The FastAPI app over `service` (auth and size limits are wrapped around it by the caller)."""
+) -> HotRoutes:
+    """The app over `service`: FastAPI, behind `HotRoutes` for the two requests of every sample
+    call (auth and size limits are wrapped around it by the caller)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -119,17 +121,21 @@ def build_app(
     app.state.service = service
     v1 = "/api/v1"
 
-    @app.exception_handler(WireError)
-    async def wire_error(_: Request, error: WireError) -> Response:
-        headers = {"x-should-retry": "false"} if error.retry is False else None
-        return JSONResponse({"detail": str(error)}, error.status, headers=headers)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception) -> Response:
+    def error_response(method: str, path: str, error: Exception) -> Response:
+        if isinstance(error, WireError):
+            headers = {"x-should-retry": "false"} if error.retry is False else None
+            return JSONResponse({"detail": str(error)}, error.status, headers=headers)
         service.internal_errors += 1
-        logger.error("%s %s failed: %s: %s", request.method, request.url.path,
-                     type(error).__name__, error)
+        logger.error("%s %s failed: %s: %s", method, path, type(error).__name__, error)
         return JSONResponse({"detail": f"internal error: {type(error).__name__}"}, 500)
+
+    @app.exception_handler(WireError)
+    async def wire_error(request: Request, error: WireError) -> Response:
+        return error_response(request.method, request.url.path, error)
+
+    @app.exception_handler(Exception)  # Starlette's outermost handler: re-raised after the answer
+    async def internal_error(request: Request, error: Exception) -> Response:
+        return error_response(request.method, request.url.path, error)
 
     # -- sessions and service --------------------------------------------------------------------
 
@@ -235,20 +241,25 @@ def build_app(
     async def get_sampler(sampler_id: str) -> Response:
         return _json(await service.get_sampler(sampler_id))
 
+    async def asample_body(body: bytes) -> Response:
+        return _json(await service.asample(parse_sample_request(body), body))
+
     @app.post(f"{v1}/asample")
     async def asample(request: Request) -> Response:
-        body = await request.body()
-        return _json(await service.asample(parse_sample_request(body), body))
+        return await asample_body(await request.body())
 
     # -- futures ---------------------------------------------------------------------------------
 
-    @app.post(f"{v1}/retrieve_future")
-    async def retrieve_future(request: Request) -> Response:
-        req = parse_json(types.FutureRetrieveRequest, await request.body())
+    async def retrieve_body(body: bytes) -> Response:
+        req = parse_json(types.FutureRetrieveRequest, body)
         outcome = await service.retrieve(req)
         if outcome is None:
             return JSONResponse(try_again_body(req.request_id), 408)
         return Response(outcome.body, 200, media_type=outcome.content_type)
+
+    @app.post(f"{v1}/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        return await retrieve_body(await request.body())
 
     @app.post(f"{v1}/cancel_future")
     async def cancel_future(request: Request) -> Response:
@@ -303,4 +314,5 @@ def build_app(
         return _json(types.CheckpointsListResponse(checkpoints=every[offset:offset + limit],
                                                    cursor=cursor))
 
-    return app
+    hot = {f"{v1}/asample": asample_body, f"{v1}/retrieve_future": retrieve_body}
+    return HotRoutes(app, hot, error_response)
