@@ -17,7 +17,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.clients import datum_to_arrays
 from oneloop.backends.megatron_local.losses import REQUIRED_INPUTS
-from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
+from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread, proto_scan
 from oneloop.backends.megatron_local.serve.proto import (
     DecodedForwardBackward,
     decode_forward_backward,
@@ -345,3 +345,47 @@ def test_malformed_protobuf_gets_400_naming_the_field(http, body, field):
 def test_broken_protobuf_gets_4xx(http, body):
     r = http.post("/forward_backward", content=body, headers=PROTOBUF)
     assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [1, 15, 16, 17, 31, 32, 33],  # 4 T and 8 T cross a one-byte varint
+        [2047, 2048, 2049, 1, 5000],  # datum and tensor lengths cross two-byte varints
+        [3, 3, 4, 3],  # equal widths in part
+    ],
+)
+def test_ragged_batches_are_checked_at_once_and_match_the_reference(lengths):
+    rng = np.random.default_rng(len(lengths))
+    data = [
+        _ce(rng.integers(0, 2**31 - 1, n).tolist(), rng.standard_normal(n).tolist())
+        for n in lengths
+    ]
+    body = _body(data)
+    header, records = proto_scan._split(body)
+    layout = proto_scan._read_datum(body, records[0][1], records[0][2])
+    assert proto_scan._ragged_batch(body, records, layout) is not None  # no datum-by-datum read
+    scanned = scan_forward_backward(body)
+    assert scanned is not None
+    _assert_same(scanned, body)
+
+
+def test_a_datum_framed_otherwise_in_a_ragged_batch_is_read_on_its_own():
+    """One datum with its entries in the other order: the batch check declines, the
+    datum-by-datum reader takes the batch, and the arrays are still the reference's."""
+    datum = _pb_datum(_ce([3, 4, 5, 6], [0.5, -1.0, 2.0, 0.0]))
+    chunk = datum.model_input[0].SerializeToString()
+    reordered = (b"\x0a" + _varint(len(chunk)) + chunk
+                 + _entry("weights", datum.loss_fn_inputs["weights"])
+                 + _entry("target_tokens", datum.loss_fn_inputs["target_tokens"]))  # fmt: skip
+    good = [_pb_datum(_ce(list(range(n)))).SerializeToString() for n in (2, 7)]
+    head = pb.ForwardBackwardRequest(model_id="s:train:0", seq_id=7, loss_fn="cross_entropy")
+    body = head.SerializeToString() + b"".join(
+        b"\x1a" + _varint(len(d)) + d for d in (good[0], reordered, good[1])
+    )
+    header, records = proto_scan._split(body)
+    layout = proto_scan._read_datum(body, records[0][1], records[0][2])
+    assert proto_scan._ragged_batch(body, records, layout) is None
+    scanned = scan_forward_backward(body)
+    assert scanned is not None
+    _assert_same(scanned, body)

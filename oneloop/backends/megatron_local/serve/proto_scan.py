@@ -40,6 +40,7 @@ from oneloop.backends.megatron_local.engines.base import DatumArrays
 from oneloop.backends.megatron_local.losses import REQUIRED_INPUTS
 
 from . import proto
+from .proto_ragged import ragged_layout
 from .wire import WireError
 
 _TARGET = b"target_tokens"
@@ -150,15 +151,16 @@ def _split(body: bytes) -> tuple[bytes, list[tuple[int, int, int]]]:
     return b"".join(header), records
 
 
-# One datum's layout: token chunks [(offset, bytes)] and inputs [(name, dtype, offset, bytes)].
-_Layout = tuple[list[tuple[int, int]], list[tuple[bytes, int, int, int]]]
+# One datum's layout: token chunks [(offset, bytes)] and inputs [(name, dtype, offset, bytes,
+# has a shape field)].
+_Layout = tuple[list[tuple[int, int]], list[tuple[bytes, int, int, int, bool]]]
 
 
 def _read_datum(buf: bytes, pos: int, end: int) -> _Layout:
     """The layout of the datum payload buf[pos:end] in the SDK's form; raises `_Other` (or
     IndexError) for anything else. Offsets are absolute."""
     chunks: list[tuple[int, int]] = []
-    inputs: list[tuple[bytes, int, int, int]] = []
+    inputs: list[tuple[bytes, int, int, int, bool]] = []
     while pos < end:
         tag = buf[pos]
         size, pos = _varint(buf, pos + 1)
@@ -190,7 +192,8 @@ def _read_datum(buf: bytes, pos: int, end: int) -> _Layout:
             if buf[pos] != 0x18 or dtype not in _ITEMSIZE or size % _ITEMSIZE[dtype]:
                 raise _Other
             pos += 2
-            if pos < stop:  # shape: packed int64, one dimension equal to the element count
+            has_shape = pos < stop
+            if has_shape:  # packed int64, one dimension equal to the element count
                 if buf[pos] != 0x22:
                     raise _Other
                 length, pos = _varint(buf, pos + 1)
@@ -200,7 +203,7 @@ def _read_datum(buf: bytes, pos: int, end: int) -> _Layout:
                 pos = after
             if pos != stop:
                 raise _Other
-            inputs.append((name, dtype, at, size))
+            inputs.append((name, dtype, at, size, has_shape))
         else:
             raise _Other
         pos = stop
@@ -215,7 +218,7 @@ def _check_inputs(layout: _Layout, expected: dict[bytes, int]) -> int:
     tokens = sum(size for _, size in chunks) >> 2
     if len(inputs) != len(expected) or len({name for name, *_ in inputs}) != len(inputs):
         raise _Other
-    for name, dtype, _, size in inputs:
+    for name, dtype, _, size, _ in inputs:
         if expected.get(name) != dtype or size != tokens * _ITEMSIZE[dtype]:
             raise _Other
     return tokens
@@ -237,7 +240,9 @@ def _arrays(
         tokens, fields = same
         lengths = [length] * len(records)
     else:  # ragged, or equal widths framed differently (e.g. chunked otherwise)
-        tokens, fields, lengths = _ragged(body, records, expected)
+        tokens, fields, lengths = _ragged_batch(body, records, layout) or _ragged(
+            body, records, expected
+        )
     if tokens.size and tokens.min() < 0:
         raise _Other  # the reference path names the datum and chunk
     for name, values in fields.items():
@@ -261,7 +266,7 @@ def _uniform(
     framing = np.ones(width, bool)
     for at, size in chunks:
         framing[at - base : at - base + size] = False
-    for _, _, at, size in inputs:
+    for _, _, at, size, _ in inputs:
         framing[at - base : at - base + size] = False
     columns = np.flatnonzero(framing)
     heads = rows[:, columns]
@@ -272,9 +277,40 @@ def _uniform(
     fields = {
         name: rows[:, at - base : at - base + size].view(
             np.int64 if dtype == _INT64 else np.float32).copy()
-        for name, dtype, at, size in inputs
+        for name, dtype, at, size, _ in inputs
     }  # fmt: skip
     return tokens, fields
+
+
+def _ragged_batch(
+    body: bytes, records: list[tuple[int, int, int]], layout: _Layout
+) -> tuple[np.ndarray, dict[bytes, np.ndarray], list[int]] | None:
+    """Like `_ragged`, for datums framed as the first one is (one token chunk; same inputs),
+    their framing checked all at once (`proto_ragged`); None for any other batch."""
+    chunks, inputs = layout
+    if len(chunks) != 1:
+        return None
+    table = np.array(records, np.int64)
+    starts, widths = table[:, 0], table[:, 2] - table[:, 0]
+    found = ragged_layout(body, starts, widths, [(n, d, s) for n, d, _, _, s in inputs])
+    if found is None:
+        return None
+    t, offsets = found
+    view = memoryview(body)
+    sizes = (4 * t).tolist()
+    tokens = np.frombuffer(
+        b"".join([view[a : a + n] for a, n in zip(offsets[-1].tolist(), sizes, strict=True)]),
+        np.int32,
+    ).astype(np.int64)
+    fields: dict[bytes, np.ndarray] = {}
+    for index, (name, dtype, *_) in enumerate(inputs):
+        itemsize = _ITEMSIZE[dtype]
+        sizes = (itemsize * t).tolist()
+        joined = bytearray().join(
+            [view[a : a + n] for a, n in zip(offsets[index].tolist(), sizes, strict=True)]
+        )  # one copy, writable
+        fields[name] = np.frombuffer(joined, np.int64 if dtype == _INT64 else np.float32)
+    return tokens, fields, t.tolist()
 
 
 def _ragged(
@@ -290,7 +326,7 @@ def _ragged(
         lengths.append(_check_inputs(layout, expected))
         for at, size in layout[0]:
             token_parts.append(view[at : at + size])
-        for name, _, at, size in layout[1]:
+        for name, _, at, size, _ in layout[1]:
             parts[name].append(view[at : at + size])
     tokens = np.frombuffer(b"".join(token_parts), np.int32).astype(np.int64)
     fields = {
@@ -315,10 +351,14 @@ def _datum_arrays(
         starts = [0, *ends[:-1]]
         columns = [[flat[a:b] for a, b in zip(starts, ends, strict=True)]
                    for flat in (tokens, targets, *fields.values())]  # fmt: skip
+    if len(names) == 1:
+        name = names[0]
+        inputs = [{name: value} for value in columns[2]]
+    else:
+        inputs = [dict(zip(names, row, strict=True)) for row in zip(*columns[2:], strict=True)]
     out: list[DatumArrays] = []
-    for row in zip(*columns, strict=True):
+    for ids, target, values in zip(columns[0], columns[1], inputs, strict=True):
         datum = _new(DatumArrays)
-        _set(datum, "__dict__", {"tokens": row[0], "targets": row[1],
-                                 "inputs": dict(zip(names, row[2:], strict=True))})  # fmt: skip
+        _set(datum, "__dict__", {"tokens": ids, "targets": target, "inputs": values})
         out.append(datum)
     return out
