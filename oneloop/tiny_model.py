@@ -7,10 +7,10 @@ CPU demo. Nothing comes from a hub:
 * the tokenizer is byte-level BPE trained with `tokenizers` on a generated corpus (words, numbers,
   JSON, arithmetic, tool-call markup), so any text round-trips exactly; digits are split one per
   token like Qwen's (`TinyModelSpec.number_digits` = 3 instead makes every integer below 1000 one
-  token, as in the `oneloop/tiny-qwen3-demo` spec); ChatML control tokens and the tool markup
-  tags are single tokens;
-* the chat template is a simplified Qwen3/Hermes ChatML template (no `<think>` handling) that takes
-  `tools`, roles system/user/assistant/tool and OpenAI-shaped assistant `tool_calls`;
+  token); ChatML control tokens and the tool markup tags are single tokens;
+* the chat template (`oneloop.tiny_chat_template`) is a simplified Qwen3/Hermes ChatML template
+  (no `<think>` handling) that takes `tools`, roles system/user/assistant/tool and OpenAI-shaped
+  assistant `tool_calls`; `TinyModelSpec.tool_list` picks how it lists the tools;
 * the model is `Qwen3ForCausalLM` in fp32 with weights drawn from `TinyModelSpec.seed`.
 
 The same spec always gives the same files (tokenizer.json bytes, weights). A build goes into a
@@ -27,6 +27,8 @@ import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from oneloop.tiny_chat_template import TOOL_LIST_STYLES, chat_template
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -66,66 +68,7 @@ _SPLIT_PATTERN = (
 _NUMBER_REPEATS = 128
 _MAX_NUMBER_DIGITS = 3
 # Spec fields added after FORMAT_VERSION 1 and their defaults (left out of the cache key there).
-_KEY_DEFAULTS = {"number_digits": 1}
-
-CHAT_TEMPLATE = """\
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages and messages[0].role == 'system' %}
-        {{- messages[0].content + '\\n\\n' }}
-    {%- endif %}
-    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\\n' }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' }}
-    {{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
-    {{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {%- set content = message.content if message.content is string else '' %}
-        {{- '<|im_start|>assistant\\n' + content }}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if not loop.first or content %}
-                    {{- '\\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- elif not (message.role == 'system' and loop.first) %}
-        {{- raise_exception('unknown message role: ' + message.role) }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
+_KEY_DEFAULTS = {"number_digits": 1, "tool_list": "json"}
 
 
 @dataclass(frozen=True)
@@ -156,11 +99,14 @@ class TinyModelSpec:
     """Longest digit run the pre-tokenizer keeps together (digits): 1 = one digit per token as in
     Qwen; 3 = every integer 0..999 is one token (the corpus then holds each of them, so BPE learns
     them all; needs `vocab_size` room for ~1,000 number tokens). Not part of the cache key at 1."""
+    tool_list: str = "json"
+    """How the chat template lists tools: "json" (Qwen3's schemas) or "compact" (a line per tool,
+    see `oneloop.tiny_chat_template`). Not part of the cache key at "json"."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            expected = bool if f.name == "tie_word_embeddings" else int
+            expected = {"tie_word_embeddings": bool, "tool_list": str}.get(f.name, int)
             if type(value) is not expected:
                 raise TypeError(
                     f"TinyModelSpec.{f.name}: expected {expected.__name__}, got {value!r}"
@@ -194,6 +140,11 @@ class TinyModelSpec:
             raise ValueError(f"TinyModelSpec.head_dim: must be even for RoPE, got {self.head_dim}")
         if self.seed < 0:
             raise ValueError(f"TinyModelSpec.seed: must be non-negative, got {self.seed}")
+        if self.tool_list not in TOOL_LIST_STYLES:
+            raise ValueError(
+                f"TinyModelSpec.tool_list: expected one of {TOOL_LIST_STYLES}, "
+                f"got {self.tool_list!r}"
+            )
         if self.number_digits > _MAX_NUMBER_DIGITS:
             raise ValueError(
                 f"TinyModelSpec.number_digits: at most {_MAX_NUMBER_DIGITS} (every integer below "
@@ -442,7 +393,7 @@ def _write_tokenizer(spec: TinyModelSpec, directory: Path) -> None:
         raise RuntimeError(f"trained {backend.get_vocab_size()} tokens for vocab {spec.vocab_size}")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template(spec.tool_list),
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
         bos_token=None,
@@ -512,15 +463,11 @@ def named_tiny_specs() -> dict[str, TinyModelSpec]:
         TINY_MODEL_128X4: TinyModelSpec(
             hidden_size=128, num_layers=4, head_dim=32, intermediate_size=384
         ),
-        # The CPU demo's model: 128×4 with every integer 0..999 one token, so copying a number
-        # from the question or a tool result into a call is one token, not a digit-by-digit
-        # alignment the 128×4 model only learns after ~300 SFT steps.
+        # The CPU demo's model: 128×4 with the compact tool list, so a demo episode is ~235
+        # tokens instead of ~630 (the JSON schemas of the calculator's five tools were 530 of
+        # them): SFT, rollouts and evaluation all cost about a third, and the question is a
+        # larger share of what the model attends over.
         TINY_MODEL_DEMO: TinyModelSpec(
-            vocab_size=2048,
-            hidden_size=128,
-            num_layers=4,
-            head_dim=32,
-            intermediate_size=384,
-            number_digits=3,
+            hidden_size=128, num_layers=4, head_dim=32, intermediate_size=384, tool_list="compact"
         ),
     }

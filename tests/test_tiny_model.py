@@ -256,7 +256,29 @@ def test_new_spec_fields_keep_existing_cache_keys() -> None:
     assert spec_digest(TinyModelSpec()) == "960e44b897ca"
     assert spec_digest(named_tiny_specs()["oneloop/tiny-qwen3-128x4"]) == "da35cdb284f9"
     demo = named_tiny_specs()[TINY_MODEL_DEMO]
-    assert spec_digest(demo) != spec_digest(dataclasses.replace(demo, number_digits=1))
+    assert spec_digest(demo) != spec_digest(dataclasses.replace(demo, tool_list="json"))
+    assert spec_digest(demo) != spec_digest(dataclasses.replace(demo, number_digits=3))
+
+
+def test_compact_tool_list_renders_one_line_per_tool(tmp_path: Path) -> None:
+    """The compact style lists each tool as `name(args): description`; everything after the
+    system turn (calls, responses, generation prompt) renders exactly as the JSON style does."""
+    compact = dataclasses.replace(SMALL, tool_list="compact")
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(compact, root=tmp_path))
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    assert text.startswith(
+        "<|im_start|>system\nYou are a calculator.\n\n<tools>\n"
+        "add(a, b): Add two integers.\nsubmit(answer): Submit the final answer.\n</tools>\n"
+        'Call a tool as <tool_call>\n{"name": <name>, "arguments": {...}}\n</tool_call>'
+        "<|im_end|>\n"
+    )
+    json_turns = EXPECTED_RENDER[EXPECTED_RENDER.index("<|im_start|>user") :]
+    assert text[text.index("<|im_start|>user") :] == json_turns
+    # Tool schemas with no parameters, and bare (non-OpenAI-wrapped) tool dicts, still render.
+    bare = [{"name": "ping", "description": "Liveness."}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tools=bare,
+                                         tokenize=False)  # fmt: skip
+    assert "\nping(): Liveness.\n</tools>" in text
 
 
 def test_vocab_size_is_configurable(tmp_path: Path) -> None:
@@ -359,6 +381,8 @@ def test_default_root_comes_from_environment(
         ({"tie_word_embeddings": 1}, "TinyModelSpec.tie_word_embeddings"),
         ({"number_digits": 0}, "TinyModelSpec.number_digits"),
         ({"number_digits": 4}, "TinyModelSpec.number_digits"),
+        ({"tool_list": "yaml"}, "TinyModelSpec.tool_list"),
+        ({"tool_list": 1}, "TinyModelSpec.tool_list"),
     ],
 )
 def test_bad_spec_names_the_field(kwargs: dict[str, object], message: str) -> None:
