@@ -275,6 +275,11 @@ def test_other_valid_forms_get_the_reference_answer(body):
             "data[1].loss_fn_inputs['weights']: shape [3, 9] needs 27 values, got 3",
         ),
         (_body([_ce([1, 2])])[:-3], "body: not a ForwardBackwardRequest protobuf"),
+        # an enum value the schema does not name (was a ValueError, so a 500)
+        (
+            _mutate(lambda d: setattr(d.loss_fn_inputs["weights"], "dtype", 5)),
+            "data[1].loss_fn_inputs['weights'].dtype: must be FLOAT32 or INT64, got 5",
+        ),
     ],
 )
 def test_malformed_bodies_raise_the_reference_error(body, message):
@@ -332,6 +337,10 @@ PROTOBUF = {"content-type": "application/x-protobuf"}
             _mutate(lambda d: d.loss_fn_inputs["weights"].shape.append(9)),
             "data[1].loss_fn_inputs['weights']",
         ),
+        (  # regression: an unnamed enum value was a ValueError in the decoder, so a 500
+            _mutate(lambda d: setattr(d.loss_fn_inputs["weights"], "dtype", 7)),
+            "data[1].loss_fn_inputs['weights'].dtype",
+        ),
     ],
 )
 def test_malformed_protobuf_gets_400_naming_the_field(http, body, field):
@@ -357,6 +366,7 @@ def test_broken_protobuf_gets_4xx(http, body):
 )
 def test_ragged_batches_are_checked_at_once_and_match_the_reference(lengths):
     rng = np.random.default_rng(len(lengths))
+    lengths = lengths * (proto_scan.RAGGED_BATCH_MIN_DATUMS // len(lengths) + 1)
     data = [
         _ce(rng.integers(0, 2**31 - 1, n).tolist(), rng.standard_normal(n).tolist())
         for n in lengths
@@ -373,15 +383,19 @@ def test_ragged_batches_are_checked_at_once_and_match_the_reference(lengths):
 def test_a_datum_framed_otherwise_in_a_ragged_batch_is_read_on_its_own():
     """One datum with its entries in the other order: the batch check declines, the
     datum-by-datum reader takes the batch, and the arrays are still the reference's."""
+    good = [_pb_datum(_ce(list(range(n)))).SerializeToString() for n in (2, 7)]
+    first = proto_scan._read_datum(good[0], 0, len(good[0]))[1][0][0].decode()
     datum = _pb_datum(_ce([3, 4, 5, 6], [0.5, -1.0, 2.0, 0.0]))
     chunk = datum.model_input[0].SerializeToString()
+    order = (
+        ["weights", "target_tokens"] if first == "target_tokens" else ["target_tokens", "weights"]
+    )
     reordered = (b"\x0a" + _varint(len(chunk)) + chunk
-                 + _entry("weights", datum.loss_fn_inputs["weights"])
-                 + _entry("target_tokens", datum.loss_fn_inputs["target_tokens"]))  # fmt: skip
-    good = [_pb_datum(_ce(list(range(n)))).SerializeToString() for n in (2, 7)]
+                 + b"".join(_entry(n, datum.loss_fn_inputs[n]) for n in order))  # fmt: skip
     head = pb.ForwardBackwardRequest(model_id="s:train:0", seq_id=7, loss_fn="cross_entropy")
+    many = good * (proto_scan.RAGGED_BATCH_MIN_DATUMS // 2)
     body = head.SerializeToString() + b"".join(
-        b"\x1a" + _varint(len(d)) + d for d in (good[0], reordered, good[1])
+        b"\x1a" + _varint(len(d)) + d for d in (*many, reordered, *many)
     )
     header, records = proto_scan._split(body)
     layout = proto_scan._read_datum(body, records[0][1], records[0][2])
@@ -389,3 +403,41 @@ def test_a_datum_framed_otherwise_in_a_ragged_batch_is_read_on_its_own():
     scanned = scan_forward_backward(body)
     assert scanned is not None
     _assert_same(scanned, body)
+
+
+@st.composite
+def large_ragged_bodies(draw):
+    """Enough datums for the batch check (`proto_scan.RAGGED_BATCH_MIN_DATUMS`), random lengths
+    and values, the loss's inputs; at times one byte changed anywhere."""
+    loss = draw(st.sampled_from(LOSSES))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    count = proto_scan.RAGGED_BATCH_MIN_DATUMS + draw(st.integers(0, 20))
+    top = draw(st.sampled_from([3, 40, 300]))
+    data = []
+    for length in rng.integers(1, top + 1, count):
+        inputs = {"target_tokens": rng.integers(0, 2**62, length)}
+        for name in REQUIRED_INPUTS[loss]:
+            inputs[name] = rng.standard_normal(length).astype(np.float32)
+        data.append(_datum([rng.integers(0, 2**31 - 1, length).tolist()], inputs))
+    body = bytearray(_body(data, loss))
+    if draw(st.booleans()):
+        at = draw(st.integers(0, len(body) - 1))
+        body[at] = draw(st.integers(0, 255))
+    return bytes(body)
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=large_ragged_bodies())
+def test_large_ragged_batches_match_the_reference(body):
+    scanned = scan_forward_backward(body)
+    if scanned is not None:
+        _assert_same(scanned, body)
+        return
+    try:
+        want = decode_forward_backward(body)
+    except WireError as error:
+        with pytest.raises(WireError) as info:
+            decode_request(body)
+        assert str(info.value) == str(error)
+    else:
+        _assert_same_decoded(decode_request(body), want)

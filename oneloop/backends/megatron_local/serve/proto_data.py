@@ -244,7 +244,9 @@ def _plan_tensor(msg: pb.Tensor, datum: int, name: str) -> tuple[_Input, bytes]:
     field copies it, so it is read once). Field paths are formatted only on error."""
     np_dtype = NP_OF_DTYPE.get(msg.dtype)
     if np_dtype is None:
-        raise _bad(datum, name, f".dtype: must be FLOAT32 or INT64, got {pb.DType.Name(msg.dtype)}")
+        # proto3 enums keep unknown values: name them by number (`DType.Name` would raise).
+        got = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype
+        raise _bad(datum, name, f".dtype: must be FLOAT32 or INT64, got {got}")
     shape = list(msg.shape)
     expected = None
     if shape:

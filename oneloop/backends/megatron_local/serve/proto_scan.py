@@ -53,6 +53,10 @@ _EXPECTED = {
     for loss, inputs in REQUIRED_INPUTS.items()
 }
 _DATA_TAG = 0x1A  # ForwardBackwardRequest field 3 (data), length-delimited
+# Below this many datums a ragged batch is read datum by datum: the batch check's fixed numpy
+# cost (~0.3-0.45 ms) outweighs the ~6.5 us per datum it saves (measured: 64 datums of 50-200
+# tokens 540 us vs 419 us; 340 datums of 512-1024 tokens 0.65 ms vs 1.96 ms).
+RAGGED_BATCH_MIN_DATUMS = 96
 _new = object.__new__
 _set = object.__setattr__
 
@@ -288,7 +292,7 @@ def _ragged_batch(
     """Like `_ragged`, for datums framed as the first one is (one token chunk; same inputs),
     their framing checked all at once (`proto_ragged`); None for any other batch."""
     chunks, inputs = layout
-    if len(chunks) != 1:
+    if len(chunks) != 1 or len(records) < RAGGED_BATCH_MIN_DATUMS:
         return None
     table = np.array(records, np.int64)
     starts, widths = table[:, 0], table[:, 2] - table[:, 0]
