@@ -2,10 +2,10 @@
 plain ASGI app in front of FastAPI.
 
 Why: on the 2-core development machine the server's CPU is taken from the sampler it waits for.
-Through FastAPI a 64-sample call cost the server thread 3.1-3.6 ms of CPU (matching the path
-against every route in turn, three middleware layers, a `Request` object and dependency solving
-per request, for two requests); answered here, 2.2-2.7 ms (`/tmp`-free measurement: the server
-thread's schedstat over 30 calls of `bench_serve --sample-only`'s call).
+Through FastAPI a 64-sample call cost the server thread 2.9-3.3 ms of CPU (matching the path
+against every route in turn, three middleware layers, a `Request` object and dependency solving,
+for each of the two requests); answered here, 2.5-2.9 ms (the server thread's CPU time from
+/proc schedstat over 30 calls like `bench_serve --sample-only`'s, 3 runs each way, alternated).
 
 The handlers are the ones the FastAPI routes call (`build_app` registers each under both), and
 errors become the same responses through the same function (`error_response`), so an answer

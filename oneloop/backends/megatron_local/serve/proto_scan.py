@@ -16,7 +16,9 @@ Python per datum. `scan_forward_backward` reads the datums' bytes itself and mak
   batch) only the first is read: every other record's bytes outside the payloads (tags, lengths,
   keys, dtypes, shapes) are compared with the first's in one numpy operation. Equal framing bytes
   mean equal structure, so each payload is one strided (datums, length) view of the body.
-  Otherwise each datum is read in turn and each field's payloads are joined.
+  Otherwise, from `RAGGED_BATCH_MIN_DATUMS` datums on, the framing of all datums is computed
+  from their lengths and checked at once (`proto_ragged`); below that, or if that check
+  declines, each datum is read in turn. Either way each field's payloads are then joined.
 - Values are checked per field over the batch: token ids and targets >= 0, floats finite; keys
   are exactly `target_tokens` (int64) and the loss's inputs (float32), all of the datum's length.
 
