@@ -5,14 +5,16 @@ on the local backend (Ray, torch engines), and ends with the held-out success ra
 RL. Equivalent to `scripts/train.py --config demo-cpu`; extra arguments are dotted overrides.
 
 The design, stated because the warm start is imperfect on purpose: SFT gives the format, RL gives
-correctness. The preset's `sft.wrong_tool_fraction` makes 60 % of the `-` and `/` demonstrations
-call the inverse tool (`add` for `-`, `multiply` for `/`) and submit its result. After SFT the
-model copies numbers, calls tools and submits in the right format, but greedy decoding picks the
+correctness. The model is `oneloop/tiny-qwen3-demo` (0.9 M parameters, tools listed in the compact
+style, ~235 tokens per episode). The preset's `sft.wrong_tool_fraction` makes exactly 55 % of the
+`-` and `/` demonstrations call the inverse tool (`add` for `-`, `multiply` for `/`) and submit
+its result; the warm start's rate decays linearly to 0 so it ends settled. After SFT the model
+copies numbers, calls tools and submits in the right format, but greedy decoding picks the
 demonstrated majority tool, so the held-out `-` and `/` questions fail (and `+`/`*` ones succeed
 as far as copying allows). Rollouts at temperature 1 still sample the right tool often enough for
 group-relative advantages to favour it, and RL shifts the choice. Task generation, the choice of
-imperfect demonstrations (a hash of the question), data order and sampling seeds are all fixed,
-so a rerun on the same machine repeats the same experiment.
+imperfect demonstrations (a hash of the question), data order and sampling seeds are all fixed;
+the warm start repeats exactly, RL up to the order in which asynchronous rollouts finish.
 """
 
 import asyncio

@@ -27,7 +27,7 @@ from oneloop.agents.environment import (
 )
 from oneloop.agents.renderer import ChatRenderer
 from oneloop.errors import ConfigError
-from oneloop.loop.sft import demo_tool_specs, demonstration, takes_wrong_tool
+from oneloop.loop.sft import demo_tool_specs, demonstration, mistaken_questions
 
 MCP_TIMEOUT_SEC = 30.0
 
@@ -218,7 +218,6 @@ def test_mcp_server_advertises_short_plain_schemas(tmp_path: Path) -> None:
         assert set(parameters["required"]) == set(parameters["properties"])
 
 
-ALL = {"+": 1.0, "-": 1.0, "*": 1.0, "/": 1.0}
 INVERSE = {"+": ("add", "subtract"), "-": ("subtract", "add"), "*": ("multiply", "divide"),
            "/": ("divide", "multiply")}  # fmt: skip
 
@@ -239,16 +238,19 @@ def test_warm_start_demonstrations_use_the_right_or_the_inverse_tool(
         assert call.format(right, a, b) in solved
         assert submit.format(task.question.answer) in solved
         assert len(tokens) == len(weights) and 0 < sum(weights) < len(weights)
-        mistaken = renderer.decode(demonstration(task, renderer, tools, None, ALL)[0])
+        mistaken = renderer.decode(demonstration(task, renderer, tools, None, True)[0])
         assert call.format(wrong, a, b) in mistaken and call.format(right, a, b) not in mistaken
         # The wrong tool's real result is submitted: an independent oracle, Python's arithmetic.
         other = {"+": "-", "-": "+", "*": "/", "/": "*"}[op]
         wrong_value = eval(f"{a} {other} {b}")  # noqa: S307
         wrong_value = int(wrong_value) if wrong_value == int(wrong_value) else wrong_value
         assert submit.format(wrong_value) in mistaken and wrong_value != task.question.answer
-    half_minus = {"-": 0.5}
-    picks = [takes_wrong_tool(task, half_minus) for task in splits.train]
-    assert picks == [takes_wrong_tool(task, half_minus) for task in splits.train]  # reproducible
-    minus = [p for p, t in zip(picks, splits.train, strict=True) if " - " in t.question.text]
-    assert sum(picks) == sum(minus) and 0.25 * len(minus) <= sum(minus) <= 0.75 * len(minus)
-    assert not any(takes_wrong_tool(task, {}) for task in splits.train)
+    minus = [t.question.text for t in splits.train if " - " in t.question.text]
+    divide = [t.question.text for t in splits.train if " / " in t.question.text]
+    picked = mistaken_questions(splits.train, {"-": 0.55, "/": 0.3})
+    assert picked == mistaken_questions(list(reversed(splits.train)), {"-": 0.55, "/": 0.3})
+    # Exactly the share of each operator's tasks (rounded), and only of the operators named.
+    assert len(picked & set(minus)) == round(0.55 * len(minus))
+    assert len(picked & set(divide)) == round(0.3 * len(divide))
+    assert len(picked) == round(0.55 * len(minus)) + round(0.3 * len(divide))
+    assert mistaken_questions(splits.train, {}) == frozenset()

@@ -102,7 +102,8 @@ def test_unsupported_knob_stops_the_script_before_anything_starts(tmp_path, trai
 @pytest.mark.timeout(1500)
 def test_train_script_runs_two_steps(tmp_path, train_script):
     run_dir = tmp_path / "run"
-    train_script.run(run_dir, tmp_path / "backend", *SMALL)
+    train_script.run(run_dir, tmp_path / "backend", *SMALL, "sft.lr_schedule=linear",
+                     "sft.learning_rate=0.004")  # fmt: skip
     steps = list(train_script.steps(run_dir).values())
     assert [x["step"] for x in steps] == [1, 2]
     assert all(x["staleness/violations"] == 0 for x in steps)
@@ -113,6 +114,9 @@ def test_train_script_runs_two_steps(tmp_path, train_script):
     assert [json.loads(c)["step"] for c in checkpoints] == [1, 2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "eval_before/success_rate" in summary and "eval_after/success_rate" in summary
+    # Two warm-start steps decaying linearly from 0.004: the last ran at 0.004 * (1 - 1/2).
+    sft = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["sft/learning_rate_last"] for m in sft if "sft/steps" in m] == [0.002]
     assert (run_dir / "trajectories.jsonl").is_file()
 
 

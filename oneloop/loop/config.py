@@ -136,7 +136,10 @@ class SftConfig(_Strict):
     batch_size: int = Field(default=16, ge=1)
     """Demonstrations per step (count)."""
     learning_rate: float = Field(default=3e-3, gt=0)
-    """AdamW learning rate of the warm start."""
+    """AdamW learning rate of the warm start (the peak, with a schedule)."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """"linear" decays the rate from `learning_rate` to 0 over `steps`, so the warm start ends in
+    a settled state rather than on a full-size step."""
     wrong_tool_fraction: dict[Literal["+", "-", "*", "/"], Annotated[float, Field(ge=0, le=1)]] = {}
     """Share of demonstrations, by the question's last operator, that call the inverse tool
     (deliberately imperfect SFT for RL to correct; see `oneloop.loop.sft`); {} = none."""

@@ -11,10 +11,12 @@ that share of the training tasks, by the question's last operator, is demonstrat
 mistake, the inverse tool for the last operation (`add` for `-`, `multiply` for `/`, and back),
 whose result is then submitted (wrong; for the easy questions always). Every demonstration still
 copies the numbers, calls a tool and submits its result, so SFT teaches the whole format; what it
-leaves uncertain is the choice of tool, and greedy decoding picks the demonstrated majority. RL,
+leaves uncertain is the choice of tool. The share is exact per operator (`mistaken_questions`):
+just above one half, it makes the mistake what greedy decoding does after SFT, while sampling at
+temperature 1 still finds the right tool almost half the time. RL,
 whose reward only the right tool earns, has to shift that choice: the usual division of labour,
 SFT for format and RL for correctness, made visible on a model small enough for 2 CPU cores.
-Which tasks get the mistake depends only on the question text (a hash), so it is reproducible.
+Which tasks get the mistake depends only on the question texts (a hash), so it is reproducible.
 """
 
 import ast
@@ -90,12 +92,23 @@ def _num(value: Fraction) -> int | float:
     return int(value) if value.denominator == 1 else float(value)
 
 
-def takes_wrong_tool(task: DemoTask, fractions: Mapping[str, float]) -> bool:
-    """Whether `task`'s demonstration makes the wrong-tool mistake: a stable hash of the question
-    below the fraction of its last operator (`fractions`: operator → share, absent = 0)."""
-    operator = task.question.text.split()[-2]
-    digest = hashlib.sha256(task.question.text.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fractions.get(operator, 0.0)
+def _question_hash(task: DemoTask) -> bytes:
+    return hashlib.sha256(task.question.text.encode()).digest()
+
+
+def mistaken_questions(tasks: Sequence[DemoTask], fractions: Mapping[str, float]) -> frozenset[str]:
+    """The questions whose demonstration makes the wrong-tool mistake: for each last operator,
+    exactly round(share × its tasks) of them (`fractions`: operator → share, absent = 0), the ones
+    whose question text hashes lowest. Exact shares matter: the demo relies on the mistake being
+    the majority for greedy decoding yet close enough to half for RL to overturn."""
+    by_operator: dict[str, list[DemoTask]] = {}
+    for task in tasks:
+        by_operator.setdefault(task.question.text.split()[-2], []).append(task)
+    chosen: set[str] = set()
+    for operator, group in by_operator.items():
+        count = round(fractions.get(operator, 0.0) * len(group))
+        chosen.update(t.question.text for t in sorted(group, key=_question_hash)[:count])
+    return frozenset(chosen)
 
 
 def demonstration(
@@ -103,17 +116,17 @@ def demonstration(
     renderer: ChatRenderer,
     tools: list[dict[str, Any]],
     system_prompt: str | None,
-    wrong_tool_fraction: Mapping[str, float] | None = None,
+    wrong_tool: bool = False,
 ) -> tuple[list[int], list[float]]:
     """Token ids of one episode and weights (1 on the assistant's tokens): the calculator path,
-    with the wrong last tool where `takes_wrong_tool(task, wrong_tool_fraction)` (module doc)."""
+    with the wrong last tool when `wrong_tool` (see `mistaken_questions` and the module doc)."""
     messages: list[dict[str, Any]] = []
     if system_prompt is not None:
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": instruction_text(task.question)})
     tokens = renderer.initial_prompt(messages, tools)
     weights = [0.0] * len(tokens)
-    steps, value = _steps(task.question.text, takes_wrong_tool(task, wrong_tool_fraction or {}))
+    steps, value = _steps(task.question.text, wrong_tool)
     submitted = _num(value)
     calls = [*steps, ("submit_answer", {"answer": submitted})]
     with tempfile.TemporaryDirectory(prefix="oneloop-sft-") as scratch:
@@ -180,11 +193,16 @@ async def sft_warm_start(
     seed: int,
     timeout_s: float,
     log: Any,
+    lr_schedule: str = "constant",
 ) -> None:
-    """`steps` cross_entropy steps over shuffled demonstrations (token-mean per batch)."""
+    """`steps` cross_entropy steps over shuffled demonstrations (token-mean per batch), at a
+    constant rate or one decaying linearly to 0 (`lr_schedule`)."""
+    if lr_schedule not in ("constant", "linear"):
+        raise ValueError(f"sft.lr_schedule: expected 'constant' or 'linear', got {lr_schedule!r}")
     rng = np.random.default_rng(seed)
-    adam = types.AdamParams(learning_rate=learning_rate, grad_clip_norm=1.0)
     for step in range(steps):
+        rate = learning_rate * (1.0 - step / steps if lr_schedule == "linear" else 1.0)
+        adam = types.AdamParams(learning_rate=rate, grad_clip_norm=1.0)
         picks = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         batch = [demos[i] for i in picks]
         total = sum(sum(w) for _, w in batch)
@@ -194,7 +212,8 @@ async def sft_warm_start(
         async with asyncio.timeout(timeout_s):
             out = await fwd
             await opt
-        log(step, {"sft/loss_per_token": out.metrics["loss:sum"], "sft/tokens": float(total)})
+        log(step, {"sft/loss_per_token": out.metrics["loss:sum"], "sft/tokens": float(total),
+                   "sft/learning_rate": rate})  # fmt: skip
 
 
 def demo_system_prompt() -> str | None:

@@ -37,7 +37,7 @@ from oneloop.loop.data import TaskSource
 from oneloop.loop.metrics import BackendCounters, MetricsLogger, truncate_after
 from oneloop.loop.plots import write_plots
 from oneloop.loop.rollouts import RolloutPool
-from oneloop.loop.sft import demo_tool_specs, demonstration, sft_warm_start
+from oneloop.loop.sft import demo_tool_specs, demonstration, mistaken_questions, sft_warm_start
 from oneloop.loop.staleness import StalenessGate
 
 log = logging.getLogger(__name__)
@@ -238,16 +238,19 @@ async def warm_start(run: Run) -> dict[str, float]:
 
     renderer = ChatRenderer.from_pretrained(run.tokenizer_path)
     tools = await asyncio.to_thread(demo_tool_specs)
+    mistaken = mistaken_questions(run.splits.train, cfg.sft.wrong_tool_fraction)
     demos = await asyncio.to_thread(
         lambda: [
-            demonstration(t, renderer, tools, cfg.agent.system_prompt, cfg.sft.wrong_tool_fraction)
-            for t in run.splits.train
+            demonstration(t, renderer, tools, cfg.agent.system_prompt, t.question.text in mistaken)
+            for t in run.splits.train  # type: ignore[union-attr]
         ]
-    )  # type: ignore[union-attr]
+    )
     losses: list[float] = []
+    rates: list[float] = []
 
     def record(step: int, metrics: dict[str, float]) -> None:
         losses.append(metrics["sft/loss_per_token"])
+        rates.append(metrics["sft/learning_rate"])
         if cfg.logging.console:
             print(f"sft {step + 1}/{cfg.sft.steps} | loss/token {losses[-1]:.4f}", flush=True)
 
@@ -260,12 +263,14 @@ async def warm_start(run: Run) -> dict[str, float]:
         cfg.algo.seed,
         cfg.timeouts.train_s,
         record,
+        cfg.sft.lr_schedule,
     )
     run.state = _replace(run.state, sft_done=True)
     return {
         "sft/loss_first": losses[0],
         "sft/loss_last": losses[-1],
         "sft/steps": float(len(losses)),
+        "sft/learning_rate_last": rates[-1],
     }
 
 
