@@ -41,7 +41,7 @@ def _segments(structure: Structure, t: np.ndarray) -> list[tuple[str, object]]:
     for index, (name, dtype, has_shape) in enumerate(structure):
         data = _ITEMSIZE[dtype] * t
         tensor = 1 + vw(data) + data + 2 + ((2 + vw(t)) if has_shape else 0)
-        key = b"\x0a" + _varint(len(name)) + name + b"\x12"
+        key = b"\x0a" + encode_varint(len(name)) + name + b"\x12"
         entry = len(key) + vw(tensor) + tensor
         size = size + 1 + vw(entry) + entry
         entries += [("const", b"\x12"), ("varint", entry), ("const", key),
@@ -155,7 +155,8 @@ def _framing_matches(
     return bool((got == np.stack(varint_byte, axis=1)).all())
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """The protobuf base-128 varint of a non-negative int."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)

@@ -30,6 +30,8 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
+from oneloop.backends.megatron_local.serve.proto_ragged import encode_varint
+
 STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 _INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
 # The fields the joined encoder reads, `SampledSequence` being tinker 0.38's frozen dataclass
@@ -92,8 +94,8 @@ class _Framing(dict[tuple[int, int], tuple[bytes, bytes]]):
 
     def __missing__(self, key: tuple[int, int]) -> tuple[bytes, bytes]:
         length, stop = key
-        size = _varint(4 * length)
-        fields = b"\x08" + _varint(stop) if stop else b""
+        size = encode_varint(4 * length)
+        fields = b"\x08" + encode_varint(stop) if stop else b""
         tokens = b"\x12" + size if length else b""  # SampledSequence field 2
         between = b"\x1a" + size if self.with_logprobs else b""  # field 3
         body = (
@@ -102,7 +104,7 @@ class _Framing(dict[tuple[int, int], tuple[bytes, bytes]]):
             + len(between)
             + 4 * length * (bool(length) + self.with_logprobs)
         )
-        value = self[key] = (b"\x0a" + _varint(body) + fields + tokens, between)
+        value = self[key] = (b"\x0a" + encode_varint(body) + fields + tokens, between)
         return value
 
 
@@ -149,16 +151,6 @@ def _encode_joined(resp: types.SampleResponse) -> bytes | None:
     except TypeError:
         return None  # an array that is not C-contiguous
     return sequences + _rest(resp).SerializeToString()
-
-
-def _varint(value: int) -> bytes:
-    """The protobuf base-128 varint of a non-negative int."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _as_topk(
