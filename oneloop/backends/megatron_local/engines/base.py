@@ -46,6 +46,47 @@ class LoraSpec:
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    """A trained LoRA adapter in PEFT's layout, for samplers that apply adapters themselves (vLLM
+    LoRA modules) instead of merged weights.
+
+    `tensors` use PEFT's names on the Hugging Face model, e.g.
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([rank, in]) and `...lora_B.weight`
+    ([out, rank]); `target_modules` are the HF module suffixes (`q_proj`, ..., `lm_head`). The delta on
+    a target's weight is `alpha / rank · B @ A`. `write_peft` stores it as a PEFT adapter directory.
+    """
+
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+    tensors: dict[str, np.ndarray]  # float32
+
+    def write_peft(self, directory: Path, base_model_path: str) -> Path:
+        """Write `adapter_config.json` + `adapter_model.safetensors` (what vLLM's LoRARequest loads)."""
+        import json
+
+        from safetensors.numpy import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model_path,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": sorted(self.target_modules),
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+        }
+        (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        contiguous = {k: np.ascontiguousarray(v) for k, v in self.tensors.items()}
+        save_file(contiguous, str(directory / "adapter_model.safetensors"))
+        return directory
+
+
+@dataclass(frozen=True)
 class SampleRequest:
     """One `sample` call, in engine terms."""
 
@@ -103,6 +144,10 @@ class TrainerEngine(ABC):
     @abstractmethod
     def sampler_weights(self) -> dict[str, np.ndarray]:
         """Full (LoRA-merged) weights in Hugging Face names, for a sampler of the base model."""
+
+    def adapter(self) -> LoraAdapter:
+        """The current LoRA adapter (LoRA clients only), for samplers that load adapters."""
+        raise NotImplementedError(f"{type(self).__name__} does not export LoRA adapters")
 
     @abstractmethod
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
