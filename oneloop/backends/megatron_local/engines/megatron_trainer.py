@@ -8,8 +8,9 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   and exported through `megatron_layout` (our mapping; round-trip tested). TransformerEngine's layer
   spec when TE imports, else Megatron's local spec with the core attention swapped for torch SDPA
   (the stock local attention materialises the s×s scores: 2.8× slower at seq 4096 on an H200).
-- Parallelism: this engine runs in one process (one Ray actor, one GPU), so TP = PP = CP = EP = 1;
-  larger sizes need a multi-rank actor group that is not built yet and are refused with that reason.
+- Parallelism: one object is one rank. TP > 1: `megatron_group.MegatronGroupEngine` starts the
+  other ranks and drives them, `megatron_tp.MegatronTpRank` (this class plus the shard maps) is each
+  rank. PP, CP and EP > 1 are refused with the reason (`REFUSED_PARALLEL`).
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
@@ -48,6 +49,11 @@ WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable 
 OPTIMIZER_FILE = "optimizer.pt"
 ENGINE_STATE_FILE = "engine.json"
 NO_CLIP = 1e30  # clip_grad this large never clips but makes Megatron report the grad norm
+REFUSED_PARALLEL = {  # sizes > 1 not built yet, and why (TP > 1: megatron_group)
+    "pp": "pipeline parallelism needs Megatron's pipeline schedule (not built); use tp",
+    "cp": "context parallelism needs TransformerEngine's attention, which this install lacks",
+    "ep": "expert parallelism waits for MoE models (this engine runs dense Qwen3/Qwen2/Llama)",
+}
 
 
 @dataclass(frozen=True)
@@ -79,12 +85,13 @@ def _free_port() -> int:
 def _init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
     from megatron.core import parallel_state
 
-    sizes = {"tp": parallel.tp, "pp": parallel.pp, "cp": parallel.cp, "ep": parallel.ep}
-    wanted = {k: v for k, v in sizes.items() if v != 1}
-    if wanted:
-        raise CapabilityError(
-            f"local.megatron {wanted}: this release runs the megatron engine in one process "
-            "(one GPU per trainer actor); TP/PP/CP/EP > 1 need the multi-rank trainer group"
+    for knob, why in REFUSED_PARALLEL.items():
+        if getattr(parallel, knob) != 1:
+            raise CapabilityError(f"local.megatron.{knob}={getattr(parallel, knob)}: {why}")
+    dist = torch.distributed
+    if parallel.tp > 1 and not (dist.is_initialized() and dist.get_world_size() == parallel.tp):
+        raise CapabilityError(  # megatron_group.MegatronGroupEngine starts the ranks first
+            f"local.megatron.tp={parallel.tp}: the ranks are started by megatron_group"
         )
     if not torch.distributed.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -92,7 +99,7 @@ def _init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
             backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(parallel.tp, 1)
 
 
 def _sdpa_core_attention():
@@ -239,7 +246,7 @@ class MegatronTrainerEngine(TrainerEngine):
         return {inverse.get(name, name): p for name, p in params.items()}
 
     def _import_hf(self, hf: dict[str, torch.Tensor]) -> None:
-        mapped = hf_to_megatron(self.shape, hf)
+        mapped = self._local_parts(hf_to_megatron(self.shape, hf))
         params = self._params_by_hf_layout()
         missing = sorted(set(params) - set(mapped))
         extra = sorted(set(mapped) - set(params))
@@ -255,6 +262,13 @@ class MegatronTrainerEngine(TrainerEngine):
                         f"{name}: HF gives {tuple(src.shape)}, Megatron has {tuple(param.shape)}"
                     )
                 param.copy_(src.to(param.device, param.dtype))
+
+    def _local_parts(self, mapped: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's parts of full Megatron-layout weights (all of them here; TP: megatron_tp)."""
+        return mapped
+
+    def _target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(logits, targets)  # full-vocabulary logits (TP: megatron_tp)
 
     def _build_optimizer(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -323,7 +337,7 @@ class MegatronTrainerEngine(TrainerEngine):
         # Right padding under a causal mask: real tokens never attend to the padding after them.
         with torch.set_grad_enabled(not forward_only):
             logits = self.model(input_ids=tokens_t, position_ids=positions, attention_mask=None)
-            target_lp = token_logprobs(logits, targets_t)
+            target_lp = self._target_logprobs(logits, targets_t)
             result = losses.compute_loss(loss_fn, target_lp, inputs_t, mask_t, config)
             if not forward_only:
                 result.loss.backward()
