@@ -46,6 +46,22 @@ class VllmSettings(_Strict):
     """Skip CUDA graphs and compilation (faster start, slower decode)."""
     attention_backend: str | None = "TRITON_ATTN"
     """vLLM attention backend name; None = vLLM's choice (needs the flash-attention kernels)."""
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = None
+    """LoRA runs: largest adapter rank the engine serves (vLLM's allowed ranks); None = the rank
+    of the first LoRA client of the base model, rounded up (LoRA off if the first is not LoRA)."""
+    max_loras: int = Field(default=4, ge=1)
+    """LoRA runs: distinct adapters one batch may mix (snapshots and the inflight adapter)."""
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    """LoRA runs: adapters kept in host memory (>= max_loras); None = max(max_loras,
+    local.max_snapshots + 2): every snapshot plus the inflight adapter and the one it replaces."""
+
+    @model_validator(mode="after")
+    def _cpu_loras_hold_a_batch(self) -> "VllmSettings":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        return self
 
 
 class LocalBackendConfig(_Strict):
