@@ -14,8 +14,9 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
-- LoRA is refused with a clear error: adapters on Megatron's fused linears are not built yet; the
-  `torch` engine trains LoRA on GPU too.
+- LoRA (rank > 0): `megatron_lora` (the `torch` engine's peft semantics on the fused linears; base
+  frozen, DDP and optimizer over the adapters only; TP = 1 and the local spec). Checkpoints of LoRA
+  runs hold the adapter (PEFT directory) instead of the full weights.
 """
 
 import json
@@ -30,9 +31,11 @@ from safetensors.torch import load_file, save_file
 
 from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local import losses
+from oneloop.backends.megatron_local.engines import megatron_lora
 from oneloop.backends.megatron_local.engines.base import (
     DatumArrays,
     ForwardResult,
+    LoraAdapter,
     LoraSpec,
     TrainerEngine,
 )
@@ -153,11 +156,6 @@ class MegatronTrainerEngine(TrainerEngine):
         device: str = "cuda",
         parallel: MegatronParallel | None = None,
     ) -> None:
-        if lora.rank > 0:
-            raise CapabilityError(
-                f"LoRA rank {lora.rank} with local.trainer_engine=megatron: this engine trains the full "
-                "model only; use rank 0 or local.trainer_engine=torch for LoRA"
-            )
         from transformers import AutoConfig
 
         set_threads(threads)
@@ -171,9 +169,16 @@ class MegatronTrainerEngine(TrainerEngine):
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(lora.seed or 0)
-        self.te = _te_available()
+        self.te = _te_available() and lora.rank == 0  # LoRA: local spec (megatron_lora says why)
         self.module = self._build_model()
         self._import_hf(_read_hf_weights(model_path))
+        self.lora = (
+            megatron_lora.inject(
+                self.module, self.shape, lora, tp=self.parallel.tp, base_model_path=str(model_path)
+            )
+            if lora.rank > 0
+            else None
+        )
         self.model, self.optimizer = self._build_optimizer()
         self.steps = 0
 
@@ -239,7 +244,9 @@ class MegatronTrainerEngine(TrainerEngine):
 
     def _params_by_hf_layout(self) -> dict[str, torch.nn.Parameter]:
         """Module parameters keyed by their local-spec names (TE names mapped back)."""
-        params = dict(self.module.named_parameters())
+        params = {
+            n: p for n, p in self.module.named_parameters() if not megatron_lora.is_lora_name(n)
+        }
         if not self.te:
             return params
         inverse = {_te_name(n): n for n in megatron_param_names(self.shape)}
@@ -367,9 +374,16 @@ class MegatronTrainerEngine(TrainerEngine):
     # -- weights ---------------------------------------------------------------------------------
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """Current weights in HF names, on the engine's device (views where the layout allows)."""
+        """Current weights in HF names, on the engine's device (views where the layout allows);
+        LoRA runs: merged with the adapter (merged entries fp32, as the `torch` engine's)."""
         params = {n: p.detach() for n, p in self._params_by_hf_layout().items()}
-        return megatron_to_hf(self.shape, params)
+        hf = megatron_to_hf(self.shape, params)
+        return self.lora.merge(hf) if self.lora else hf
+
+    def adapter(self) -> LoraAdapter:
+        if self.lora is None:
+            raise ValueError("adapter(): this model trains the full weights (LoRA rank 0)")
+        return self.lora.adapter()
 
     def sampler_weights(self) -> dict[str, np.ndarray]:
         # numpy has no bfloat16: the object-store path carries float32 (exact for bf16 values).
@@ -377,16 +391,22 @@ class MegatronTrainerEngine(TrainerEngine):
 
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.contiguous().cpu() for k, v in self.hf_weights().items()}
-        if self.shape.tied:
-            weights.pop("lm_head.weight")
-        save_file(weights, str(directory / WEIGHTS_FILE))
+        if self.lora:
+            self.lora.save(directory)  # the base stays the model directory's
+        else:
+            weights = {k: v.contiguous().cpu() for k, v in self.hf_weights().items()}
+            if self.shape.tied:
+                weights.pop("lm_head.weight")
+            save_file(weights, str(directory / WEIGHTS_FILE))
         if with_optimizer and self.steps > 0:  # before the first step there is no state to save
             torch.save(self._optimizer_state(), directory / OPTIMIZER_FILE)
         (directory / ENGINE_STATE_FILE).write_text(json.dumps({"steps": self.steps}))
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        self._import_hf(load_file(str(directory / WEIGHTS_FILE)))
+        if self.lora:
+            self.lora.load(directory)
+        else:
+            self._import_hf(load_file(str(directory / WEIGHTS_FILE)))
         # The optimizer's fp32 main params must follow the imported weights.
         for optimizer in self._optimizers():
             if hasattr(optimizer, "reload_model_params"):
