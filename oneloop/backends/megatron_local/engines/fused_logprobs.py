@@ -1,0 +1,138 @@
+"""Target logprobs straight from the last hidden states, without fp32 full-vocabulary logits.
+
+`hf.token_logprobs(logits, targets)` casts the `[tokens, vocab]` logits to fp32 and lets autograd
+keep that copy plus the log-softmax temporaries: at 16k tokens × 152k vocab that is 10 GB fp32 per
+tensor and ~100 bytes of memory traffic per logit over forward and backward, which is why the
+megatron engine could only run two 4k sequences per micro-batch. `linear_logprobs` computes the
+same values with one custom autograd function:
+
+- forward: one bf16 matmul for the logits (the same GEMM the output layer runs), then per chunk of
+  rows the fp32 log-sum-exp and the target logit; only the bf16 logits and the per-token
+  log-sum-exp are kept for backward;
+- backward: per chunk, d logp / d logits = g · (onehot(target) − softmax) in fp32, cast to the
+  logits dtype and written over the saved logits, then the two matmuls of the output layer
+  (hidden and weight gradients) over all rows at once.
+
+With `compiled=True` the per-chunk math runs as two torch.compile (Inductor) kernels that read the
+bf16 logits once per pass (~10 bytes per logit in all); `compiled=False` runs the same math eagerly
+(in place where it can). Values equal `token_logprobs(hidden @ weight.T, targets)`: the same
+logits, fp32 reductions; gradients equal autograd's through that path up to fp32 summation order.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+CHUNK_ROWS = 2048  # 2048 × 152k vocab: a 1.2 GB fp32 chunk (eager) and < 2**31 elements per kernel
+
+
+def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target logprob, log-sum-exp) per row of a `[rows, vocab]` chunk, in fp32."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - lse, lse
+
+
+def _chunk_grad(
+    logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """g · (onehot(target) − softmax) per row, in the logits dtype (pure: the compiled form)."""
+    x = logits.float()
+    prob = torch.exp(x - lse.unsqueeze(-1))
+    vocab = torch.arange(x.size(-1), device=x.device)
+    onehot = (vocab.unsqueeze(0) == targets.unsqueeze(-1)).to(torch.float32)
+    return ((onehot - prob) * grad.unsqueeze(-1)).to(logits.dtype)
+
+
+def _chunk_grad_eager(
+    logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Same as `_chunk_grad`, in place on one fp32 copy of the chunk."""
+    x = logits.float()
+    x.sub_(lse.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))
+    x.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+    return x.to(logits.dtype)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _kernels(compiled: bool) -> tuple[Callable, Callable]:
+    if not compiled:
+        return _chunk_forward, _chunk_grad_eager
+    if not _COMPILED:
+        _COMPILED["forward"] = torch.compile(_chunk_forward, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _COMPILED["forward"], _COMPILED["grad"]
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_rows, compiled):  # type: ignore[override]
+        forward_fn, _ = _kernels(compiled)
+        logits = hidden @ weight.t()
+        rows = hidden.size(0)
+        logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, chunk_rows):
+            part = slice(start, start + chunk_rows)
+            logprobs[part], lse[part] = forward_fn(logits[part], targets[part])
+        ctx.save_for_backward(hidden, weight, targets, logits, lse)
+        ctx.chunk_rows, ctx.compiled = chunk_rows, compiled
+        return logprobs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs):  # type: ignore[override]
+        hidden, weight, targets, logits, lse = ctx.saved_tensors
+        _, grad_fn = _kernels(ctx.compiled)
+        grad_logprobs = grad_logprobs.float().contiguous()
+        for start in range(0, logits.size(0), ctx.chunk_rows):
+            part = slice(start, start + ctx.chunk_rows)
+            # The saved logits are this function's own buffer: overwrite them with their gradient.
+            logits[part] = grad_fn(logits[part], lse[part], grad_logprobs[part], targets[part])
+        grad_hidden = logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_rows: int = CHUNK_ROWS,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """log softmax(hidden @ weight.T)[target] per row: hidden [tokens, h], weight [vocab, h],
+    targets [tokens] (int64) → fp32 [tokens]. See the module docstring."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
+        raise ValueError(
+            f"linear_logprobs: hidden [tokens, h] and weight [vocab, h] expected, got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must be [tokens={hidden.size(0)}]")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    return _LinearLogprobs.apply(hidden, weight, targets.long(), chunk_rows, compiled)
+
+
+def megatron_logprobs_processor(
+    targets: torch.Tensor, *, chunk_rows: int = CHUNK_ROWS, compiled: bool = False
+) -> Callable[..., torch.Tensor]:
+    """An `output_processor` for megatron-core's `GPTModel.forward`: it receives the final hidden
+    states [s, b, h] and the output layer, and returns target logprobs [b, s] (fp32) for
+    `targets` [b, s] instead of the model's logits (tensor parallel size 1 only)."""
+
+    def process(*, hidden_states, output_layer, output_weight, **_unused) -> torch.Tensor:
+        weight = output_weight if output_weight is not None else output_layer.weight
+        seq, batch, width = hidden_states.shape
+        flat = hidden_states.transpose(0, 1).reshape(batch * seq, width)
+        logprobs = linear_logprobs(
+            flat, weight, targets.reshape(-1), chunk_rows=chunk_rows, compiled=compiled
+        )
+        return logprobs.view(batch, seq)
+
+    return process

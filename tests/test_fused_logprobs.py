@@ -1,0 +1,95 @@
+"""`linear_logprobs` against the engines' reference path `token_logprobs(hidden @ W.T, targets)`:
+same values and the same gradients for hidden and weight, under a non-trivial upstream gradient."""
+
+import pytest
+import torch
+
+from oneloop.backends.megatron_local.engines.fused_logprobs import (
+    linear_logprobs,
+    megatron_logprobs_processor,
+)
+from oneloop.backends.megatron_local.engines.hf import token_logprobs
+
+
+def _case(dtype: torch.dtype, tokens: int = 37, width: int = 16, vocab: int = 101):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, width, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, width, generator=gen) / width**0.5).to(dtype)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    upstream = torch.randn(tokens, generator=gen)
+    return hidden, weight, targets, upstream
+
+
+def _grads(fn, hidden, weight, targets, upstream):
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    lp = fn(h, w, targets)
+    (lp * upstream).sum().backward()
+    return lp.detach(), h.grad, w.grad
+
+
+def _reference(h, w, t):
+    return token_logprobs(h @ w.t(), t)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 8, 64])
+def test_fp32_equals_reference(chunk_rows: int) -> None:
+    case = _case(torch.float32)
+    ref = _grads(_reference, *case)
+    got = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=chunk_rows), *case)
+    for r, g in zip(ref, got, strict=True):
+        assert g.dtype == r.dtype
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_equals_reference_within_bf16() -> None:
+    case = _case(torch.bfloat16)
+    ref = _grads(_reference, *case)
+    got = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8), *case)
+    # Logprobs: the same bf16 logits reduced in fp32, so equal to fp32 rounding.
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    for r, g in zip(ref[1:], got[1:], strict=True):  # gradients: one bf16 rounding apart
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_compiled_kernels_equal_eager() -> None:
+    case = _case(torch.float32, tokens=19, vocab=53)
+    eager = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8), *case)
+    compiled = _grads(
+        lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8, compiled=True), *case
+    )
+    for e, c in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_only_under_no_grad() -> None:
+    hidden, weight, targets, _ = _case(torch.float32)
+    with torch.no_grad():
+        lp = linear_logprobs(hidden, weight, targets)
+    torch.testing.assert_close(lp, _reference(hidden, weight, targets), rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_processor_layout() -> None:
+    """The output_processor gets hidden [s, b, h] and returns logprobs [b, s]; untied models
+    pass output_weight=None and the processor uses the output layer's weight."""
+    hidden, weight, _, _ = _case(torch.float32, tokens=12)
+    seq_first = hidden.view(4, 3, -1)  # [s=4, b=3, h]
+    targets = torch.randint(0, weight.size(0), (3, 4))  # [b, s]
+    layer = torch.nn.Linear(weight.size(1), weight.size(0), bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        got = megatron_logprobs_processor(targets)(
+            hidden_states=seq_first, output_layer=layer, output_weight=None, labels=None
+        )
+    want = _reference(seq_first.transpose(0, 1), weight, targets)
+    assert got.shape == (3, 4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_raise() -> None:
+    hidden, weight, targets, _ = _case(torch.float32)
+    with pytest.raises(ValueError, match="hidden"):
+        linear_logprobs(hidden[:, :3], weight, targets)
+    with pytest.raises(ValueError, match="targets"):
+        linear_logprobs(hidden, weight, targets[:-1])
