@@ -20,6 +20,7 @@ from oneloop.backends.megatron_local import losses
 from oneloop.backends.megatron_local.engines.base import (
     DatumArrays,
     ForwardResult,
+    LoraAdapter,
     LoraSpec,
     TrainerEngine,
 )
@@ -205,6 +206,21 @@ class TorchTrainerEngine(TrainerEngine):
                 if clean not in merged:
                     merged[clean] = tensor.detach().cpu().numpy().copy()
         return merged
+
+    def adapter(self) -> LoraAdapter:
+        if self.lora.rank == 0:
+            raise ValueError("adapter(): this model trains the full weights (LoRA rank 0)")
+        from peft import get_peft_model_state_dict
+
+        # PEFT's saved names (adapter name dropped); the base embedding / lm_head stay out.
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        targets = self.model.peft_config["default"].target_modules
+        return LoraAdapter(
+            rank=self.lora.rank,
+            alpha=LORA_ALPHA,
+            target_modules=tuple(sorted(targets)),
+            tensors={k: v.detach().float().cpu().numpy().copy() for k, v in state.items()},
+        )
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
         names = {id(p): n for n, p in self.model.named_parameters()}
