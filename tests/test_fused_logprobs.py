@@ -56,9 +56,7 @@ def test_bf16_equals_reference_within_bf16() -> None:
 def test_compiled_kernels_equal_eager() -> None:
     case = _case(torch.float32, tokens=19, vocab=53)
     eager = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8), *case)
-    compiled = _grads(
-        lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8, compiled=True), *case
-    )
+    compiled = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8, compiled=True), *case)
     for e, c in zip(eager, compiled, strict=True):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
 

@@ -26,7 +26,9 @@ import torch
 CHUNK_ROWS = 2048  # 2048 × 152k vocab: a 1.2 GB fp32 chunk (eager) and < 2**31 elements per kernel
 
 
-def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_forward(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(target logprob, log-sum-exp) per row of a `[rows, vocab]` chunk, in fp32."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)

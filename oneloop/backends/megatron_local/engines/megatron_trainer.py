@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local import losses
-from oneloop.backends.megatron_local.engines import megatron_lora
+from oneloop.backends.megatron_local.engines import megatron_lora, megatron_speed
 from oneloop.backends.megatron_local.engines.base import (
     DatumArrays,
     ForwardResult,
@@ -105,26 +105,6 @@ def _init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
         parallel_state.initialize_model_parallel(parallel.tp, 1)
 
 
-def _sdpa_core_attention():
-    """A drop-in for Megatron's local DotProductAttention backed by torch SDPA (causal)."""
-    from megatron.core.transformer.module import MegatronModule
-
-    class SdpaCoreAttention(MegatronModule):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
-            super().__init__(config=config)
-            self.softmax_scale = kwargs.get("softmax_scale")
-
-        def forward(self, query, key, value, attention_mask, **kwargs):
-            # Megatron passes [s, b, heads, d]; SDPA wants [b, heads, s, d].
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1)
-            )
-            return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
-
-    return SdpaCoreAttention
-
-
 def _te_name(name: str) -> str:
     """Local-spec name → TE-spec name (TE fuses the pre-norms into the following linear)."""
     return name.replace(
@@ -155,11 +135,13 @@ class MegatronTrainerEngine(TrainerEngine):
         threads: int | None = None,
         device: str = "cuda",
         parallel: MegatronParallel | None = None,
+        speed: megatron_speed.MegatronSpeed | None = None,
     ) -> None:
         from transformers import AutoConfig
 
         set_threads(threads)
         self.parallel = parallel or MegatronParallel()
+        self.speed = speed or megatron_speed.MegatronSpeed()
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
@@ -207,7 +189,7 @@ class MegatronTrainerEngine(TrainerEngine):
             bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype,
             pipeline_dtype=self.dtype,
-            bias_activation_fusion=False,
+            bias_activation_fusion=self.speed.swiglu_fusion,
             masked_softmax_fusion=False,
             persist_layer_norm=False,
             bias_dropout_fusion=False,
@@ -227,7 +209,9 @@ class MegatronTrainerEngine(TrainerEngine):
             spec = specs.get_gpt_layer_local_spec(
                 normalization="RMSNorm", qk_layernorm=self.shape.qk_norm
             )
-            spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention()
+            spec.submodules.self_attention.submodules.core_attention = (
+                megatron_speed.sdpa_core_attention(self.speed.attention_backend)
+            )
         model = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -240,6 +224,8 @@ class MegatronTrainerEngine(TrainerEngine):
             position_embedding_type="rope",
             rotary_base=int(self.shape.rope_theta),
         )
+        if self.speed.bf16_norms:
+            megatron_speed.cast_norms(model, self.dtype)
         return model.to(self.device)
 
     def _params_by_hf_layout(self) -> dict[str, torch.nn.Parameter]:
@@ -302,6 +288,8 @@ class MegatronTrainerEngine(TrainerEngine):
         )
         # config_overrides={} (not None): no weight-decay exemptions, as torch's AdamW.
         optimizer = get_megatron_optimizer(config, [ddp], config_overrides={})
+        if self.speed.fused_adam:
+            megatron_speed.use_fused_adam(optimizer)
         return ddp, optimizer
 
     # -- training --------------------------------------------------------------------------------
@@ -343,8 +331,16 @@ class MegatronTrainerEngine(TrainerEngine):
         positions = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
         # Right padding under a causal mask: real tokens never attend to the padding after them.
         with torch.set_grad_enabled(not forward_only):
-            logits = self.model(input_ids=tokens_t, position_ids=positions, attention_mask=None)
-            target_lp = self._target_logprobs(logits, targets_t)
+            if megatron_speed.fused_logprobs_applies(self.speed, self.module, self.parallel.tp):
+                target_lp = self.model(
+                    input_ids=tokens_t,
+                    position_ids=positions,
+                    attention_mask=None,
+                    output_processor=megatron_speed.logprobs_processor(self.speed, targets_t, dev),
+                )
+            else:
+                logits = self.model(input_ids=tokens_t, position_ids=positions, attention_mask=None)
+                target_lp = self._target_logprobs(logits, targets_t)
             result = losses.compute_loss(loss_fn, target_lp, inputs_t, mask_t, config)
             if not forward_only:
                 result.loss.backward()
