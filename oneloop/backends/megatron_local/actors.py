@@ -5,7 +5,9 @@ The sampler actor is an async actor: many `sample` calls queue at once while one
 a worker thread behind a FIFO lock, so weight updates take effect between requests and the actor's
 event loop never blocks. Weights travel trainer → sampler through the Ray object store (numpy
 arrays, zero-copy on the reading side), or on GPUs in vLLM's parameter layout over CUDA IPC (same
-GPU) or NCCL (another GPU); each sync bumps the trainer's version.
+GPU) or NCCL (another GPU); each sync bumps the trainer's version. LoRA runs on the vllm sampler
+send adapters instead (`export_adapter`: a PEFT directory under the run directory, loaded by the
+sampler as a vLLM LoRA module; `engines/vllm_lora.py`).
 """
 
 import asyncio
@@ -26,9 +28,11 @@ from oneloop.backends.megatron_local.engines.base import (
     SampleRequest,
 )
 from oneloop.backends.megatron_local.engines.factory import make_sampler_engine, make_trainer_engine
+from oneloop.backends.megatron_local.engines.vllm_lora import AdapterDir, serves_adapters
 from oneloop.backends.megatron_local.paths import META_FILE
 
 SAMPLER_WEIGHTS_FILE = "model.safetensors"
+ADAPTER_DIR = "adapter"  # a sampler checkpoint's PEFT adapter (LoRA runs on the vllm sampler)
 
 
 def write_meta(directory: Path, meta: dict) -> None:
@@ -44,6 +48,8 @@ class TrainerActor:
 
     def __init__(self, local: LocalBackendConfig, model_path: str, lora: LoraSpec) -> None:
         self.engine = make_trainer_engine(local, Path(model_path), lora)
+        self.model_path = model_path
+        self.adapters = serves_adapters(local.sampler_engine, lora.rank)  # else merged weights
         self.sync_version = 0
         self._shared_buffer = None  # the last CUDA IPC weight buffer, alive until the next export
         self._senders: dict = {}  # NCCL weight groups this trainer hosts, by name
@@ -119,6 +125,18 @@ class TrainerActor:
         self._shared_buffer, entries = pack_flat(hf_to_vllm_layout(hf, layout), device)
         return self.sync_version, make_ipc_weights(self._shared_buffer, entries, self.sync_version)
 
+    def export_adapter(self, root: str) -> tuple[int, AdapterDir]:
+        """Bump the sync version and write the current LoRA adapter (PEFT layout) to
+        `root/v<version>`, for samplers that load adapters (vLLM LoRA modules)."""
+        self.sync_version += 1
+        return self.sync_version, self._write_adapter(Path(root) / f"v{self.sync_version:06d}")
+
+    def _write_adapter(self, directory: Path) -> AdapterDir:
+        adapter = self.engine.adapter()
+        adapter.write_peft(directory, self.model_path)
+        nbytes = sum(int(t.nbytes) for t in adapter.tensors.values())
+        return AdapterDir(path=str(directory), rank=adapter.rank, nbytes=nbytes)
+
     def save_state(self, directory: str, meta: dict, with_optimizer: bool = True) -> None:
         path = Path(directory)
         self.engine.save_state(path, with_optimizer=with_optimizer)
@@ -132,6 +150,8 @@ class TrainerActor:
         path.mkdir(parents=True, exist_ok=True)
         self.sync_version += 1
         save_file(self.engine.sampler_weights(), str(path / SAMPLER_WEIGHTS_FILE))
+        if self.adapters:  # what a LoRA-serving sampler loads from this checkpoint
+            self._write_adapter(path / ADAPTER_DIR)
         write_meta(path, {**meta, "sync_version": self.sync_version})
         return self.sync_version
 
@@ -146,8 +166,8 @@ class MissingWeightsError(RuntimeError):
 class SamplerActor:
     """Hosts one sampler engine (see `engines.base.SamplerEngine`) for one base model."""
 
-    def __init__(self, local: LocalBackendConfig, model_path: str) -> None:
-        self.engine = make_sampler_engine(local, Path(model_path))
+    def __init__(self, local: LocalBackendConfig, model_path: str, lora_rank: int = 0) -> None:
+        self.engine = make_sampler_engine(local, Path(model_path), lora_rank)
         # Thread-safe engines (vllm) batch concurrent requests themselves; others run one call at
         # a time behind a FIFO lock.
         self.concurrent = bool(getattr(self.engine, "thread_safe", False))
@@ -205,7 +225,12 @@ class SamplerActor:
         if self.engine.has_weights(key):
             return self.engine.version(key)
         meta = json.loads((Path(directory) / META_FILE).read_text())
-        weights = load_file(str(Path(directory) / SAMPLER_WEIGHTS_FILE))
+        adapter = Path(directory) / ADAPTER_DIR
+        if getattr(self.engine, "lora", None) is not None and adapter.is_dir():
+            nbytes = sum(f.stat().st_size for f in adapter.iterdir())
+            weights = AdapterDir(str(adapter), int(meta["lora_rank"]), nbytes)
+        else:
+            weights = load_file(str(Path(directory) / SAMPLER_WEIGHTS_FILE))
         await self._run(self.engine.set_weights, key, weights, int(meta["sync_version"]))
         return int(meta["sync_version"])
 

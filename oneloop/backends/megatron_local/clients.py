@@ -28,6 +28,12 @@ from oneloop.backends.megatron_local.engines.base import (
     ForwardResult,
     LoraSpec,
 )
+from oneloop.backends.megatron_local.engines.vllm_lora import (
+    check_adapter_targets,
+    check_pool_fits,
+    pool_lora_rank,
+    serves_adapters,
+)
 from oneloop.backends.megatron_local.futures import chain, chain_with_recovery, completed, gather
 from oneloop.backends.megatron_local.paths import TinkerPath, check_component
 from oneloop.backends.megatron_local.routing import SamplerPool
@@ -233,8 +239,12 @@ class LocalTrainingClient:
         `inflight`: one mutable weight set per training model, shared by all its inflight clients;
         each returned client is a fresh namespace. `snapshot`: a fixed weight set kept in the
         sampler's memory (at most `local.max_snapshots`; older ones fail clearly when used).
+        LoRA runs on the vllm sampler publish the adapter (a vLLM LoRA module per key and
+        version, so both kinds work there); everything else publishes merged weights.
         """
-        self._service.capabilities.check(sampler_kind=kind)
+        adapters = serves_adapters(self._service.config.local.sampler_engine, self.lora.rank)
+        if not adapters:  # the table's vllm row (one live weight set) is for merged weights
+            self._service.capabilities.check(sampler_kind=kind)
         if record_stability_info:
             raise CapabilityError("record_stability_info is not supported by the local backend")
         key = (
@@ -243,7 +253,7 @@ class LocalTrainingClient:
             else f"snapshot:{self.model_id}:{next(self._snapshots)}"
         )
         pool = self._service.sampler_pool(self._model_dir)
-        payloads = self._export_for(pool)
+        payloads = self._export_adapter(pool) if adapters else self._export_for(pool)
         # Every sampler of the pool gets the weights; one restarting meanwhile is waited for (as
         # sampling clients do). The client is ready when all have them.
         installed = [
@@ -262,6 +272,11 @@ class LocalTrainingClient:
                 pool, key, self.base_model, self._model_dir, None, min(versions), payloads
             ),
         )
+
+    def _export_adapter(self, pool: SamplerPool) -> list[Any]:
+        """One adapter version written under the run directory; every sampler loads that file."""
+        root = self._service.run_dir / self.run_id / "sampler_adapters"
+        return [self._actor.export_adapter.remote(str(root))] * len(pool.actors)
 
     def _export_for(self, pool: SamplerPool) -> list[Any]:
         """One weight version for every sampler of `pool`: an ObjectRef per sampler. Samplers
@@ -324,6 +339,7 @@ class LocalServiceClient:
         self._layouts: dict[Any, Any] = {}
         self._groups: set[tuple[Any, Any, str]] = set()  # NCCL weight groups opened
         self._sampler_info: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._pool_lora: dict[str, int] = {}  # LoRA rank each model's vllm samplers serve
         self._trainers: list[Any] = []
 
     # -- models ----------------------------------------------------------------------------------
@@ -343,14 +359,20 @@ class LocalServiceClient:
             f"backend.models (name: local HF directory), use {TINY_MODEL_NAME!r}, or pass a path"
         )
 
-    def sampler_pool(self, model_dir: Path) -> SamplerPool:
+    def sampler_pool(self, model_dir: Path, lora_rank: int | None = None) -> SamplerPool:
         """The sampler actors of one base model (`local.samplers_per_model`), started on first
-        use, behind a session-affine router."""
+        use, behind a session-affine router. `lora_rank`: the training client's rank (None for
+        sampling only); a vllm pool starts with LoRA for it, or must already serve it."""
         key = str(model_dir)
-        if key not in self._samplers:
-            local = self.config.local
+        local = self.config.local
+        if key in self._samplers:
+            check_pool_fits(local.sampler_engine, key, self._pool_lora[key], lora_rank)
+        else:
+            capacity = pool_lora_rank(local.sampler_engine, local.vllm.max_lora_rank, lora_rank)
+            check_pool_fits(local.sampler_engine, key, capacity, lora_rank)
+            self._pool_lora[key] = capacity
             actors = [
-                SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key)
+                SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key, capacity)
                 for _ in range(local.samplers_per_model)
             ]
             self._samplers[key] = SamplerPool(actors)
@@ -430,6 +452,9 @@ class LocalServiceClient:
     ) -> tuple[Any, str]:
         self.capabilities.check(lora_rank=lora.rank)
         local = self.config.local
+        if serves_adapters(local.sampler_engine, lora.rank):
+            check_adapter_targets(lora.train_mlp, lora.train_attn, lora.train_unembed)
+        self.sampler_pool(model_dir, lora.rank)  # refuses a rank its samplers cannot serve
         actor = TrainerActor.options(num_gpus=local.gpus_per_trainer).remote(
             local, str(model_dir), lora
         )
@@ -562,4 +587,5 @@ class LocalServiceClient:
             ray.kill(actor)
         self._trainers.clear()
         self._samplers.clear()
+        self._pool_lora.clear()
         return completed(None)

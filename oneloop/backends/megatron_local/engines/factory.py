@@ -42,8 +42,11 @@ def make_trainer_engine(
     return MegatronTrainerEngine(model_path, lora, device="cuda", parallel=parallel, **common)
 
 
-def make_sampler_engine(local: LocalBackendConfig, model_path: Path) -> SamplerEngine:
-    """The sampler engine `local.sampler_engine` on `model_path` (its base weights)."""
+def make_sampler_engine(
+    local: LocalBackendConfig, model_path: Path, lora_rank: int = 0
+) -> SamplerEngine:
+    """The sampler engine `local.sampler_engine` on `model_path` (its base weights); a vllm engine
+    serves LoRA adapters up to `lora_rank` (`vllm_lora.pool_lora_rank`; 0 = LoRA off)."""
     if local.sampler_engine == "torch":
         from oneloop.backends.megatron_local.engines.torch_sampler import TorchSamplerEngine
 
@@ -60,5 +63,12 @@ def make_sampler_engine(local: LocalBackendConfig, model_path: Path) -> SamplerE
         from oneloop.backends.megatron_local.engines.vllm_sampler import VllmSamplerEngine
     except ImportError as error:
         raise _missing_gpu_extra("sampler_engine", local.sampler_engine, error) from error
+    from oneloop.backends.megatron_local.engines.vllm_lora import lora_serving
+
     dtype = "bfloat16" if local.dtype == "bfloat16" else "float32"
-    return VllmSamplerEngine(model_path, dtype=dtype, **local.vllm.model_dump())
+    settings = local.vllm.model_dump(exclude={"max_lora_rank", "max_loras", "max_cpu_loras"})
+    v = local.vllm
+    lora = lora_serving(lora_rank, v.max_loras, v.max_cpu_loras, local.max_snapshots)
+    return VllmSamplerEngine(
+        model_path, dtype=dtype, lora=lora, max_snapshots=local.max_snapshots, **settings
+    )

@@ -18,6 +18,12 @@
   with the new weights. Another key → `mode="wait"`: requests of the old key finish on the old
   weights first. New requests carry `cache_salt=f"{key}@v{version}"` so they never reuse prefix
   KV computed with other weights. Phase timings of every sync land in `sync_history`.
+- LoRA runs (`lora` given): the engine starts with LoRA enabled and each weight key holds a
+  vLLM LoRA module (`vllm_lora.AdapterDir` payloads; `vllm_lora.AdapterTable` keeps the books):
+  the base weights never change, every snapshot keeps its own adapter, and replacing a key's
+  adapter needs no pause: requests already running finish on the adapter they started with (and
+  report its version), new ones take the new one; an adapter is unloaded once no key holds it and
+  its last request ended. Full-weight updates are refused on such an engine.
 - Loads go through `collective_rpc` into `vllm_worker.OneloopWorkerExtension`: a dict of
   Hugging Face arrays (reference: the model's own `load_weights`), `CudaIpcWeights` (same GPU:
   straight copies into the parameters' storage) or `NcclWeights` (a trainer on another GPU:
@@ -33,16 +39,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from oneloop.backends.megatron_local.engines.base import (
-    SampledArrays,
     SampleOutput,
     SamplerEngine,
     SampleRequest,
 )
 from oneloop.backends.megatron_local.engines.nccl_sync import NcclWeights
-from oneloop.backends.megatron_local.engines.weight_layout import CudaIpcWeights, dtype_name
+from oneloop.backends.megatron_local.engines.vllm_lora import (
+    Adapter,
+    AdapterDir,
+    AdapterTable,
+    LoraServing,
+)
+from oneloop.backends.megatron_local.engines.vllm_outputs import (
+    hf_payload,
+    lora_request,
+    prompt_logprob_array,
+    sequence,
+)
+from oneloop.backends.megatron_local.engines.weight_layout import CudaIpcWeights
 from oneloop.errors import BackendError, RequestError
 
 BASE_KEY = "base"
@@ -59,10 +75,11 @@ class SyncRecord:
 
     key: str
     version: int
-    # "hf" (load_weights, bytes over RPC) | "ipc" (direct copy) | "ipc-hf" (IPC + loader) |
+    # "lora" (adapter loaded as a vLLM LoRA module) | "hf" (load_weights, bytes over RPC) |
+    # "ipc" (direct copy) | "ipc-hf" (IPC + loader) |
     # "nccl" (received into the parameters) | "nccl-buffer" (received, then copied)
     path: str
-    mode: str  # pause mode: "keep" (same key, in flight) | "wait" (key switch)
+    mode: str  # pause mode: "keep" (same key, in flight) | "wait" (key switch) | "none" (LoRA)
     bytes: int
     pause_ms: float
     load_ms: float
@@ -89,6 +106,8 @@ class VllmSamplerEngine(SamplerEngine):
         attention_backend: str | None = "TRITON_ATTN",
         request_timeout_s: float = 1800.0,
         extra_engine_args: dict | None = None,
+        lora: LoraServing | None = None,
+        max_snapshots: int = 8,
     ) -> None:
         self.engine_kwargs = dict(
             model=str(model_path),
@@ -104,11 +123,15 @@ class VllmSamplerEngine(SamplerEngine):
             logprobs_mode="raw_logprobs",
             enable_prefix_caching=True,
             disable_log_stats=True,
+            **(lora.engine_args() if lora is not None else {}),
             **(extra_engine_args or {}),
         )
+        self.lora = lora
+        # LoRA engines: weight keys → adapters (the base weights stay as loaded).
+        self._adapters = AdapterTable(max_snapshots) if lora is not None else None
         self.request_timeout_s = request_timeout_s
         self.sync_history: list[SyncRecord] = []
-        self.evicted: set[str] = set()
+        self.evicted: set[str] = self._adapters.evicted if self._adapters is not None else set()
         self._live: tuple[str | None, int] = (BASE_KEY, 0)  # (key, version); replaced atomically
         self._layout: list[tuple[str, str, tuple[int, ...]]] | None = None
         self._closed = False
@@ -162,17 +185,25 @@ class VllmSamplerEngine(SamplerEngine):
     # -- weights ---------------------------------------------------------------------------------
 
     def has_weights(self, key: str) -> bool:
+        if self._adapters is not None:
+            return self._adapters.has(key)
         return self._live[0] == key
 
     def version(self, key: str) -> int:
-        """The version of weight set `key`; only the live key has one."""
+        """The version of weight set `key`; only the live key has one (LoRA: every key held)."""
+        if self._adapters is not None:
+            return self._adapters.version(key)
         live_key, live_version = self._live
         if live_key != key:
             raise KeyError(f"vllm sampler weights {key!r} are not live")
         return live_version
 
     def drop_weights(self, key: str) -> None:
-        """Forget the name `key`; the loaded weights stay until the next `set_weights`."""
+        """Forget the name `key`; the loaded weights stay until the next `set_weights` (LoRA:
+        its adapter is unloaded once no request runs on it)."""
+        if self._adapters is not None:
+            self._wait(self._drop_adapter(key), RPC_TIMEOUT_S, f"dropping adapter {key!r}")
+            return
         self.evicted.discard(key)
         if key != BASE_KEY and self._live[0] == key:
             self._live = (None, self._live[1])
@@ -202,8 +233,28 @@ class VllmSamplerEngine(SamplerEngine):
         return results[0]  # one worker (tensor parallel size 1)
 
     def set_weights(
-        self, key: str, weights: dict[str, np.ndarray] | CudaIpcWeights | NcclWeights, version: int
+        self,
+        key: str,
+        weights: dict[str, np.ndarray] | CudaIpcWeights | NcclWeights | AdapterDir,
+        version: int,
     ) -> None:
+        if (self._adapters is not None) != isinstance(weights, AdapterDir):
+            raise RequestError(
+                f"set_weights({key!r}): this vllm engine "
+                + (
+                    "serves LoRA adapters and takes no full-weight updates"
+                    if self._adapters is not None
+                    else "was started without LoRA and takes no adapters"
+                )
+                + " (LoRA runs and full fine-tuning of one base model need separate engines)"
+            )
+        if isinstance(weights, AdapterDir):
+            self._wait(
+                self._install_adapter(key, version, weights),
+                RPC_TIMEOUT_S,
+                f"loading adapter {key!r} version {version}",
+            )
+            return
         if isinstance(weights, NcclWeights):
             method, args = "load_nccl_weights", (weights.to_wire(),)
             path = "nccl" if weights.into == "params" else "nccl-buffer"
@@ -213,7 +264,7 @@ class VllmSamplerEngine(SamplerEngine):
             args: tuple = (weights.to_wire(),)
             path, nbytes = ("ipc" if weights.layout == "vllm" else "ipc-hf"), weights.nbytes
         elif isinstance(weights, dict):
-            method, args, nbytes = "load_hf_weights", *_hf_payload(weights)
+            method, args, nbytes = "load_hf_weights", *hf_payload(weights)
             path = "hf"
         else:
             raise RequestError(
@@ -274,6 +325,34 @@ class VllmSamplerEngine(SamplerEngine):
                 raise BackendError("vllm sampler: requests did not reach the engine in time")
             await asyncio.sleep(SUBMIT_POLL_S)
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    async def _install_adapter(self, key: str, version: int, payload: AdapterDir) -> None:
+        assert self._adapters is not None
+        adapter = self._adapters.new(key, version, payload.path)
+        t0 = time.perf_counter()
+        try:  # load (and validate) now, so a bad adapter fails the publish, not a later sample
+            await self._engine.add_lora(lora_request(adapter))
+        except (ValueError, RuntimeError) as e:
+            raise RequestError(
+                f"vllm refused the LoRA adapter of {key!r} ({payload.path}): {e}"
+            ) from e
+        t1 = time.perf_counter()
+        await self._unload(self._adapters.install(adapter))
+        ms = 1e3 * (t1 - t0)
+        self.sync_history.append(
+            SyncRecord(key=key, version=version, path="lora", mode="none", bytes=payload.nbytes,
+                       pause_ms=0.0, load_ms=ms, resume_ms=0.0, window_ms=0.0)
+        )  # fmt: skip
+
+    async def _drop_adapter(self, key: str) -> None:
+        assert self._adapters is not None
+        await self._unload(self._adapters.drop(key))
+
+    async def _unload(self, adapters: list[Adapter]) -> None:
+        for adapter in adapters:
+            await self._engine.remove_lora(adapter.lora_id)
+
     def _check_live(self, key: str) -> int:
         live_key, version = self._live
         if live_key == key:
@@ -326,7 +405,7 @@ class VllmSamplerEngine(SamplerEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         out, _ = await self._generate(key, tokens, params)
-        return _prompt_logprob_array(out.prompt_logprobs, tokens)
+        return prompt_logprob_array(out.prompt_logprobs, tokens)
 
     async def _sample(self, key: str, request: SampleRequest) -> SampleOutput:
         from vllm import SamplingParams
@@ -359,13 +438,13 @@ class VllmSamplerEngine(SamplerEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         out, version = await self._generate(key, request.prompt, params)
-        sequences = [_sequence(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        sequences = [sequence(c) for c in sorted(out.outputs, key=lambda c: c.index)]
         if len(sequences) != request.num_samples:
             raise BackendError(
                 f"vllm returned {len(sequences)} sequences, asked for {request.num_samples}"
             )
         prompt_lp = (
-            _prompt_logprob_array(out.prompt_logprobs, request.prompt)
+            prompt_logprob_array(out.prompt_logprobs, request.prompt)
             if request.include_prompt_logprobs
             else None
         )
@@ -376,78 +455,34 @@ class VllmSamplerEngine(SamplerEngine):
         from vllm.inputs.engine import tokens_input
 
         await self._open.wait()
-        version = self._check_live(key)
-        engine_input = tokens_input([int(t) for t in prompt], cache_salt=f"{key}@v{version}")
-        self._submitting += 1
+        adapter, lora = None, None
+        if self._adapters is not None:  # counted as running from here until it ends
+            adapter = self._adapters.acquire(key)
+            version = adapter.version if adapter is not None else 0
+            lora = lora_request(adapter)
+        else:
+            version = self._check_live(key)
         try:
-            queue = await self._engine.add_request(
-                f"{key}-{uuid.uuid4().hex}", engine_input, params
-            )
-        except ValueError as e:
-            raise RequestError(f"vllm rejected the request: {e}") from e
+            engine_input = tokens_input([int(t) for t in prompt], cache_salt=f"{key}@v{version}")
+            self._submitting += 1
+            try:
+                queue = await self._engine.add_request(
+                    f"{key}-{uuid.uuid4().hex}", engine_input, params, lora_request=lora
+                )
+            except ValueError as e:
+                raise RequestError(f"vllm rejected the request: {e}") from e
+            finally:
+                self._submitting -= 1
+            try:
+                while True:
+                    out = queue.get_nowait() or await queue.get()
+                    if out.finished:
+                        return out, version
+            except asyncio.CancelledError:
+                await self._engine.abort(queue.request_id, internal=True)
+                raise
+            finally:
+                queue.close()
         finally:
-            self._submitting -= 1
-        try:
-            while True:
-                out = queue.get_nowait() or await queue.get()
-                if out.finished:
-                    return out, version
-        except asyncio.CancelledError:
-            await self._engine.abort(queue.request_id, internal=True)
-            raise
-        finally:
-            queue.close()
-
-
-def _hf_payload(weights: dict) -> tuple[tuple, int]:
-    """Hugging Face tensors → (names, dtype names, shapes, raw bytes) for the reference RPC."""
-    names, dtypes, shapes, blobs = [], [], [], []
-    nbytes = 0
-    for name, value in weights.items():
-        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
-        tensor = tensor.detach().to("cpu").contiguous()
-        raw = tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
-        names.append(name)
-        dtypes.append(dtype_name(tensor.dtype))
-        shapes.append(list(tensor.shape))
-        blobs.append(raw.numpy().tobytes())
-        nbytes += len(blobs[-1])
-    return (names, dtypes, shapes, blobs), nbytes
-
-
-def _values(logprobs, tokens) -> np.ndarray:
-    """Logprob of `tokens[i]` at position i from vLLM's flat or list-of-dict logprobs."""
-    tokens = [int(t) for t in tokens]
-    flat_ids = getattr(logprobs, "token_ids", None)
-    if flat_ids is not None and len(logprobs.logprobs) == len(tokens) and flat_ids == tokens:
-        return np.asarray(logprobs.logprobs, dtype=np.float32)  # one entry per position
-    out = np.empty(len(tokens), dtype=np.float32)
-    for i, token in enumerate(tokens):
-        entry = logprobs[i]
-        if not entry or token not in entry:
-            raise BackendError(f"vllm returned no logprob for token {token} at position {i}")
-        out[i] = entry[token].logprob
-    return out
-
-
-def _sequence(completion) -> SampledArrays:
-    if completion.finish_reason not in ("stop", "length"):
-        raise BackendError(f"vllm finished a sequence with reason {completion.finish_reason!r}")
-    tokens = np.asarray(completion.token_ids, dtype=np.int32)
-    if completion.logprobs is None:
-        raise BackendError("vllm returned no logprobs although logprobs=0 was asked")
-    return SampledArrays(
-        tokens=tokens,
-        logprobs=_values(completion.logprobs, tokens),
-        stop_reason=completion.finish_reason,
-    )
-
-
-def _prompt_logprob_array(prompt_logprobs, prompt: np.ndarray) -> np.ndarray:
-    """vLLM's prompt logprobs (None / empty at position 0) → float32 [P] with NaN at 0."""
-    if prompt_logprobs is None or len(prompt_logprobs) != len(prompt):
-        raise BackendError("vllm returned no prompt logprobs for every prompt position")
-    rest = [int(t) for t in prompt[1:]]
-    # Flat or list form alike: slicing drops position 0 (None, or an empty flat slot).
-    scored = _values(prompt_logprobs[1:], rest) if rest else np.empty(0, np.float32)
-    return np.concatenate([np.array([np.nan], np.float32), scored])
+            if self._adapters is not None:
+                await self._unload(self._adapters.release(adapter))
