@@ -1,0 +1,240 @@
+"""Tensor-parallel `megatron` trainer: one engine object driving `tp` ranks, one per GPU.
+
+The trainer actor keeps the single-process engine contract: it holds this object, which is rank 0
+(`megatron_tp.MegatronTpRank` on GPU 0 of the actor's GPUs) and starts ranks 1..tp-1 as spawned
+worker processes on the actor's other GPUs (Ray's CUDA_VISIBLE_DEVICES is inherited, so the actor
+must hold tp GPUs: `local.gpus_per_trainer = tp`). All ranks join one torch.distributed world
+(NCCL on GPU, gloo on CPU) and Megatron's parallel state with that TP size.
+
+Each call is sent first to every worker (method name + picklable numpy args over a pipe), then run
+on rank 0; the workers run the same call (Megatron's collectives pair them up) and answer ok or
+their traceback; rank 0 returns its own result. Bounded waits: joining the world and every
+collective time out after `timeout_s` (the process group's timeout), a worker's answer is awaited
+at most `timeout_s` while its process is watched; a dead or failed worker is an error naming the
+rank, its exit code or traceback, after which the group refuses further calls.
+"""
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from oneloop.backends.capabilities import CapabilityError
+from oneloop.backends.megatron_local.engines.base import (
+    DatumArrays,
+    ForwardResult,
+    LoraSpec,
+    TrainerEngine,
+)
+from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel, _free_port
+
+DEFAULT_TIMEOUT_S = 600.0
+_POLL_S = 0.5
+
+
+def _join_world(rank: int, tp: int, address: str, device: str, timeout_s: float) -> str:
+    """Join the TP world as `rank`; returns this rank's device string."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    torch.distributed.init_process_group(
+        backend,
+        init_method=address,
+        world_size=tp,
+        rank=rank,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+
+
+def _worker_main(rank: int, tp: int, address: str, build: dict, timeout_s: float, conn) -> None:
+    """Rank `rank` (>= 1): build the engine, then run rank 0's calls until told to close."""
+    from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
+
+    try:
+        device = _join_world(rank, tp, address, build["device"], timeout_s)
+        engine = MegatronTpRank(**{**build, "device": device}, rank=rank)
+    except BaseException:  # noqa: BLE001 — reported to rank 0, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # rank 0's process is gone
+            break
+        if message[0] == "close":
+            break
+        method, args = message
+        try:
+            getattr(engine, method)(*args)
+            conn.send(("ok", None))
+        except Exception:  # noqa: BLE001 — reported to rank 0, which raises it
+            conn.send(("error", traceback.format_exc()))
+    torch.distributed.destroy_process_group()
+
+
+def _stop_workers(workers: list[tuple[Any, Any]], timeout_s: float) -> None:
+    for _process, conn in workers:
+        try:
+            conn.send(("close", None))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    for process, conn in workers:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.terminate()
+            process.join(5.0)
+        conn.close()
+
+
+class MegatronGroupEngine(TrainerEngine):
+    """See the module docstring. Same contract as `MegatronTrainerEngine`; LoRA is refused."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        lora: LoraSpec,
+        *,
+        parallel: MegatronParallel,
+        device: str = "cuda",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **engine_kwargs: Any,
+    ) -> None:
+        if lora.rank > 0:
+            raise CapabilityError(
+                f"LoRA rank {lora.rank} with local.megatron.tp={parallel.tp}: LoRA on the megatron "
+                "engine runs at tp=1 only"
+            )
+        tp = parallel.tp
+        if device.startswith("cuda") and torch.cuda.device_count() < tp:
+            raise CapabilityError(
+                f"local.megatron.tp={tp} needs {tp} GPUs in the trainer actor (set "
+                f"local.gpus_per_trainer={tp}); it sees {torch.cuda.device_count()}"
+            )
+        self.tp, self.timeout_s = tp, timeout_s
+        self._broken: str | None = None
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        build = dict(model_path=model_path, lora=lora, parallel=parallel, device=device)
+        build.update(engine_kwargs)
+        context = mp.get_context("spawn")
+        self._workers: list[tuple[Any, Any]] = []
+        for rank in range(1, tp):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=_worker_main,
+                args=(rank, tp, address, build, timeout_s, child),
+                name=f"megatron-tp-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._workers.append((process, parent))
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, 30.0)
+        try:
+            from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
+
+            local = _join_world(0, tp, address, device, timeout_s)
+            self.local = MegatronTpRank(**{**build, "device": local}, rank=0)
+        except BaseException as error:
+            reasons = self._collect("build", raise_errors=False, wait_s=5.0)
+            self.close()
+            raise RuntimeError(
+                f"megatron TP group (tp={tp}) failed to start: rank 0: {error!r}; {reasons}"
+            ) from error
+        self._collect("build", expect="ready")
+
+    # -- the call protocol -----------------------------------------------------------------------
+
+    def _collect(
+        self,
+        method: str,
+        expect: str = "ok",
+        raise_errors: bool = True,
+        wait_s: float | None = None,
+    ) -> str:
+        """Wait for every worker's answer to `method`; raise (or, if not `raise_errors`, return) the
+        failures, naming the rank."""
+        failures = []
+        for rank, (process, conn) in enumerate(self._workers, start=1):
+            deadline = time.monotonic() + (self.timeout_s if wait_s is None else wait_s)
+            answer = None
+            while answer is None:
+                if conn.poll(_POLL_S):
+                    try:
+                        answer = conn.recv()
+                    except EOFError:
+                        answer = ("error", f"exited with code {process.exitcode}")
+                elif not process.is_alive():
+                    answer = ("error", f"exited with code {process.exitcode}")
+                elif time.monotonic() > deadline:
+                    answer = ("error", f"no answer within {self.timeout_s:.0f} s")
+            if answer[0] != expect:
+                failures.append(f"TP rank {rank} during {method}: {answer[1]}")
+        report = "\n".join(failures)
+        if failures and raise_errors:
+            self._broken = report
+            raise RuntimeError(f"megatron TP group failed:\n{report}")
+        return report
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"megatron TP group is broken by an earlier failure:\n{self._broken}"
+            )
+        for rank, (process, conn) in enumerate(self._workers, start=1):
+            if not process.is_alive():
+                self._broken = f"TP rank {rank} exited with code {process.exitcode}"
+                raise RuntimeError(f"megatron TP group failed: {self._broken}")
+            conn.send((method, args))
+        try:
+            result = getattr(self.local, method)(*args)
+        except Exception:
+            self._collect(method)  # a worker's failure explains more than rank 0's echo of it
+            raise
+        self._collect(method)
+        return result
+
+    def close(self) -> None:
+        """Stop the worker ranks (also done when this object is collected)."""
+        self._finalizer()
+
+    # -- TrainerEngine ---------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        data: list[DatumArrays],
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None,
+        forward_only: bool,
+    ) -> ForwardResult:
+        return self._call("forward_backward", data, loss_fn, loss_fn_config, forward_only)
+
+    def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
+        return self._call("optim_step", adam_params)
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Full HF weights on rank 0's GPU (gathered from every rank)."""
+        return self._call("hf_weights")
+
+    def sampler_weights(self) -> dict[str, np.ndarray]:
+        return self._call("sampler_weights")
+
+    def save_state(self, directory: Path, with_optimizer: bool) -> None:
+        self._call("save_state", directory, with_optimizer)
+
+    def load_state(self, directory: Path, with_optimizer: bool) -> None:
+        self._call("load_state", directory, with_optimizer)
+
+    @property
+    def steps(self) -> int:
+        return self.local.steps
