@@ -20,13 +20,14 @@ class MegatronSettings(_Strict):
     """Settings of the `megatron` trainer engine (GPU)."""
 
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel size (this release: 1; larger is refused with the reason)."""
+    """Tensor-parallel size: ranks 1.. run as worker processes on the trainer actor's other GPUs
+    (give the actor `gpus_per_trainer` = tp GPUs); LoRA runs at tp = 1 only."""
     pp: int = Field(default=1, ge=1)
-    """Pipeline-parallel size (this release: 1)."""
+    """Pipeline-parallel size (this release: 1; needs Megatron's pipeline schedule)."""
     cp: int = Field(default=1, ge=1)
-    """Context-parallel size (this release: 1)."""
+    """Context-parallel size (this release: 1; needs TransformerEngine's attention)."""
     ep: int = Field(default=1, ge=1)
-    """Expert-parallel size (this release: 1; MoE waits for the multi-rank trainer group)."""
+    """Expert-parallel size (this release: 1; waits for MoE models in the megatron engine)."""
     use_distributed_optimizer: bool = True
     """Megatron's distributed optimizer (fp32 main params sharded over data-parallel ranks)."""
     optimizer_cpu_offload: bool = False
