@@ -15,7 +15,6 @@ rank, its exit code or traceback, after which the group refuses further calls.
 """
 
 import multiprocessing as mp
-import os
 import time
 import traceback
 import weakref
@@ -43,7 +42,6 @@ def _join_world(rank: int, tp: int, address: str, device: str, timeout_s: float)
     """Join the TP world as `rank`; returns this rank's device string."""
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     torch.distributed.init_process_group(
         backend,
