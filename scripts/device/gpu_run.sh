@@ -12,6 +12,7 @@
 #   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
 #                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL)
 #   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
+#   tp        (nvidia-h200-x2)       megatron engine at TP=2 vs TP=1 (tests/gpu/test_megatron_tp.py)
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -59,5 +60,8 @@ case "$stage" in
     python3 benchmarks/gpu_nccl_sync.py --model-dir /tmp/models/qwen3-0.6b > "$OUT/nccl.log" 2>&1 \
       || tail -40 "$OUT/nccl.log"
     grep RESULT "$OUT/nccl.log" | tail -20 ;;
+  tp)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_tp.py > "$OUT/tp.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/tp.log" | tail -20; tail -30 "$OUT/tp.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
