@@ -1,0 +1,172 @@
+"""The `megatron` trainer at TP = 2 (two GPUs, `megatron_group`) against TP = 1, same random Qwen3
+(0.6 B shape, bf16): forward_backward loss and target logprobs, grad norm and HF weights after one
+optim_step, save/load restore, and a dead worker rank turning into an error.
+
+TP = 1 runs first in a subprocess (torch.distributed is one world per process; this file run as a
+script is that subprocess), then TP = 2 in the test process. Device only, nvidia-h200-x2:
+`pytest -m gpu tests/gpu/test_megatron_tp.py` (gpu_run.sh stage `tp`). Figures →
+$OUT/megatron_tp.json.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA GPUs (nvidia-h200-x2)", allow_module_level=True)
+
+from gpu_figures import model_dir, record  # noqa: E402
+
+from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+ADAM = dict(
+    learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0
+)
+LOSSES = ("cross_entropy", "importance_sampling")
+
+
+def batch(seed: int, loss: str) -> list[DatumArrays]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in (512, 384, 300, 129, 512, 64, 200, 450):
+        tokens = rng.integers(0, 151936, n + 1)
+        inputs = {"weights": (rng.random(n) > 0.3).astype(np.float32)}
+        if loss == "importance_sampling":
+            inputs = {
+                "logprobs": rng.normal(-11.0, 0.5, n).astype(np.float32),
+                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
+            }
+        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
+    return data
+
+
+def run_sequence(engine) -> dict:
+    """The calls both TP sizes make: both losses with backward, then one AdamW step."""
+    out: dict = {"before": {k: v.float().cpu() for k, v in engine.hf_weights().items()}}
+    for loss in LOSSES:
+        result = engine.forward_backward(batch(1, loss), loss, None, forward_only=False)
+        out[loss] = (result.loss, result.logprobs)
+    out["step"] = engine.optim_step(ADAM)
+    out["after"] = {k: v.float().cpu() for k, v in engine.hf_weights().items()}
+    return out
+
+
+def reference_tp1(path: Path, out: Path) -> None:
+    """TP = 1 in this (sub)process; results → `out` (torch.save)."""
+    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+
+    engine = MegatronTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
+    result = run_sequence(engine)
+    result["before"] = {k: v.bfloat16() for k, v in result["before"].items()}  # exact: bf16 params
+    result["after"] = {k: v.bfloat16() for k, v in result["after"].items()}
+    torch.save(result, out)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def tp1(model, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tp1") / "tp1.pt"
+    done = subprocess.run(
+        [sys.executable, __file__, str(model), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def tp2(model, tp1):  # tp1 first: its process has left the GPU before the group starts
+    from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+
+    engine = MegatronGroupEngine(
+        model, LoraSpec(0), dtype="bfloat16", device="cuda", parallel=MegatronParallel(tp=2)
+    )
+    yield engine
+    engine.close()
+
+
+def test_tp2_matches_tp1(tp1, tp2) -> None:
+    got = run_sequence(tp2)
+    figures: dict = {}
+    assert sorted(got["before"]) == sorted(tp1["before"])
+    import_gap = max(
+        float((got["before"][k] - tp1["before"][k].float()).abs().max()) for k in got["before"]
+    )
+    figures["import_export_abs_diff_max"] = import_gap
+    assert import_gap == 0.0  # shard on import, gather on export: exact
+    for loss in LOSSES:
+        (loss_2, lp_2), (loss_1, lp_1) = got[loss], tp1[loss]
+        gaps = np.concatenate([np.abs(a - b) for a, b in zip(lp_2, lp_1, strict=True)])
+        tokens = sum(len(x) for x in lp_1)
+        figures[loss] = {
+            "loss_tp2": loss_2,
+            "loss_tp1": loss_1,
+            "loss_abs_diff_per_token": abs(loss_2 - loss_1) / tokens,
+            "logprob_abs_diff_mean": float(gaps.mean()),
+            "logprob_abs_diff_max": float(gaps.max()),
+        }
+        assert figures[loss]["loss_abs_diff_per_token"] < 0.01
+        assert figures[loss]["logprob_abs_diff_mean"] < 0.02
+    before = got["before"]
+    after_2, after_1 = got["after"], {k: v.float() for k, v in tp1["after"].items()}
+    diffs = torch.cat([(after_2[k] - after_1[k]).abs().flatten() for k in after_1])
+    upd_2 = torch.cat([(after_2[k] - before[k]).flatten() for k in after_1])
+    upd_1 = torch.cat([(after_1[k] - before[k]).flatten() for k in after_1])
+    norm_2, norm_1 = got["step"]["grad_norm:mean"], tp1["step"]["grad_norm:mean"]
+    figures["optim_step"] = {
+        "grad_norm_tp2": norm_2,
+        "grad_norm_tp1": norm_1,
+        "weight_abs_diff_max": float(diffs.max()),
+        "weight_abs_diff_mean": float(diffs.mean()),
+        "update_cosine": float(torch.nn.functional.cosine_similarity(upd_2, upd_1, dim=0)),
+    }
+    record("megatron_tp", figures)
+    assert abs(norm_2 - norm_1) / norm_1 < 0.05  # TP-sharded params counted once, QK-norm summed
+    assert figures["optim_step"]["update_cosine"] > 0.9
+    assert figures["optim_step"]["weight_abs_diff_mean"] < ADAM["learning_rate"]
+
+
+def test_save_and_load_state_restores_weights_and_optimizer(tp2, tmp_path) -> None:
+    data = batch(2, "cross_entropy")
+    tp2.forward_backward(batch(3, "cross_entropy"), "cross_entropy", None, forward_only=False)
+    tp2.optim_step(ADAM)  # the checkpoint then carries Adam moments and fp32 main params per rank
+    tp2.save_state(tmp_path / "ckpt", with_optimizer=True)
+    assert (tmp_path / "ckpt" / "optimizer.tp2.rank1.pt").is_file()
+    expected = tp2.forward_backward(data, "cross_entropy", None, forward_only=False)
+    tp2.optim_step(ADAM)
+    after_one = tp2.forward_backward(data, "cross_entropy", None, forward_only=True).loss
+    tp2.load_state(tmp_path / "ckpt", with_optimizer=True)
+    again = tp2.forward_backward(data, "cross_entropy", None, forward_only=False)
+    assert again.loss == pytest.approx(expected.loss, rel=1e-6)
+    tp2.optim_step(ADAM)
+    assert tp2.forward_backward(data, "cross_entropy", None, forward_only=True).loss == (
+        pytest.approx(after_one, rel=1e-4)
+    )
+
+
+def test_dead_worker_is_a_clear_error(tp2) -> None:  # last: it breaks the group
+    process, _ = tp2._workers[0]
+    process.kill()
+    process.join(30)
+    with pytest.raises(RuntimeError, match="TP rank 1 exited"):
+        tp2.forward_backward(batch(4, "cross_entropy"), "cross_entropy", None, forward_only=True)
+    with pytest.raises(RuntimeError, match="broken"):
+        tp2.optim_step(ADAM)
+
+
+if __name__ == "__main__":
+    reference_tp1(Path(sys.argv[1]), Path(sys.argv[2]))
