@@ -13,6 +13,9 @@
 #                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL)
 #   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
 #   tp        (nvidia-h200-x2)       megatron engine at TP=2 vs TP=1 (tests/gpu/test_megatron_tp.py)
+#   mfu                              megatron MFU per speed switch vs baseline vs torch (~3 min;
+#                                    MFU_ARGS="--variants baseline,all" for fewer)
+#   mfu_test                         speed switches on vs off: same logprobs/loss/step (0.6B)
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -63,5 +66,14 @@ case "$stage" in
   tp)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_tp.py > "$OUT/tp.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/tp.log" | tail -20; tail -30 "$OUT/tp.log" ;;
+  mfu)
+    # shellcheck disable=SC2086
+    python3 benchmarks/gpu_mfu.py --model-dir /tmp/models ${MFU_ARGS:-} > "$OUT/mfu.log" 2>&1 \
+      || tail -40 "$OUT/mfu.log"
+    grep -E "Error|error" "$OUT/mfu.log" | grep -v '^RESULT' | tail -8
+    grep -v '^RESULT {"summary"' "$OUT/mfu.log" | sed -n '/^variant /,$p' ;;
+  mfu_test)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_speed.py > "$OUT/mfu_test.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/mfu_test.log" | tail -20; tail -30 "$OUT/mfu_test.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,0 +1,226 @@
+"""Megatron trainer MFU, speed-up by speed-up, side by side in one run on one GPU.
+
+Random Qwen3 of the 1.7 B shape at seq 4096 (batch 4), `forward_backward` (cross_entropy, Tinker's
+loss, through the engine contract) + `optim_step`, per variant: the engine as first built
+(`MegatronSpeed.off()`, two sequences per micro-batch: its fp32 logits did not fit more), each
+`MegatronSpeed` switch alone, all of them (the engine's default) at 8k and 16k tokens per
+micro-batch, SDPA backends, and the `torch` engine. Prints tokens/s, MFU, the ratio to the
+baseline, forward_backward and optim_step seconds, peak memory and the target-logprob gap to the
+baseline's first step (same weights: bf16 tolerance expected); writes $OUT/gpu_mfu.json after
+every variant, so a run cut short keeps what it measured.
+
+MFU = (6·N + 6·L·s·heads·head_dim) · tokens/s / 989 TFLOP/s (H200 dense bf16), N = every
+parameter, a tied embedding once (it is also the LM head's matmul), the attention term halved for
+causal masking (the formula of benchmarks/gpu_train.py).
+
+    python3 benchmarks/gpu_mfu.py [--variants baseline,all,torch,...] [--steps 3] [--warmup 2]
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "device"))
+sys.path.insert(0, str(ROOT))
+
+from build_random_qwen3 import build  # noqa: E402
+
+from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  # noqa: E402
+from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed  # noqa: E402
+
+PEAK_FLOPS = 989e12
+ADAM = dict(
+    learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0
+)
+OFF = MegatronSpeed.off()
+ALL = MegatronSpeed()
+# name -> (engine, speed, tokens per micro-batch as a multiple of seq); most telling first.
+VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
+    "baseline": ("megatron", OFF, 2),
+    "all": ("megatron", ALL, 4),
+    "torch": ("torch", None, 2),
+    "+fused_logprobs": ("megatron", replace(OFF, fused_logprobs=True, compile_logprobs=True), 2),
+    "+bf16_norms": ("megatron", replace(OFF, bf16_norms=True), 2),
+    "+swiglu_fusion": ("megatron", replace(OFF, swiglu_fusion=True), 2),
+    "+fused_adam": ("megatron", replace(OFF, fused_adam=True), 2),
+    "all_mb8k": ("megatron", ALL, 2),
+    "all_cudnn": ("megatron", replace(ALL, attention_backend="cudnn"), 4),
+    "all_flash": ("megatron", replace(ALL, attention_backend="flash"), 4),
+    "all_eager_logprobs": ("megatron", replace(ALL, compile_logprobs=False), 4),
+}
+
+
+def make_batch(batch: int, seq: int) -> list[DatumArrays]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(batch):
+        tokens = rng.integers(0, 151936, seq + 1)
+        out.append(DatumArrays(tokens[:-1], tokens[1:], {"weights": np.ones(seq, np.float32)}))
+    return out
+
+
+def flops_per_token(cfg, seq: int) -> tuple[int, float]:
+    n_params = cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * (
+        cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
+    attn = 6 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * cfg.head_dim
+    return n_params, 6 * n_params + attn
+
+
+def build_engine(kind: str, speed: MegatronSpeed | None, path: Path, budget: int):
+    if kind == "torch":
+        from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+
+        return TorchTrainerEngine(
+            path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=budget
+        )
+    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+
+    return MegatronTrainerEngine(
+        path,
+        LoraSpec(0),
+        dtype="bfloat16",
+        device="cuda",
+        max_tokens_per_microbatch=budget,
+        speed=speed,
+    )
+
+
+def measure(engine, data, steps: int, warmup: int) -> tuple[dict, list[np.ndarray]]:
+    fb_times, opt_times, first_lp = [], [], []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = engine.forward_backward(data, "cross_entropy", None, forward_only=False)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        engine.optim_step(ADAM)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i == 0:
+            first_lp = result.logprobs
+        if i >= warmup:
+            fb_times.append(t1 - t0)
+            opt_times.append(t2 - t1)
+    step = (sum(fb_times) + sum(opt_times)) / steps
+    return {
+        "step_s": round(step, 4),
+        "step_s_raw": step,
+        "forward_backward_s": round(sum(fb_times) / steps, 4),
+        "optim_step_s": round(sum(opt_times) / steps, 4),
+        "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }, first_lp
+
+
+def release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="1.7b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/models"))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--time-budget-s", type=float, default=420.0, help="start no variant after this many s"
+    )
+    args = parser.parse_args()
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    from transformers import AutoConfig
+
+    started = time.perf_counter()
+    path = build(args.shape, args.model_dir / f"qwen3-{args.shape}")
+    n_params, fpt = flops_per_token(AutoConfig.from_pretrained(path), args.seq)
+    data = make_batch(args.batch, args.seq)
+    tokens = args.batch * args.seq
+    results: dict = {
+        "shape": args.shape,
+        "params": n_params,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "flops_per_token": fpt,
+        "device": torch.cuda.get_device_name(),
+        "variants": {},
+    }
+    baseline_lp: list[np.ndarray] | None = None
+    for name in names:
+        if time.perf_counter() - started > args.time_budget_s:
+            results["variants"][name] = {"skipped": f"time budget {args.time_budget_s:.0f} s spent"}
+            continue
+        kind, speed, seqs_per_mb = VARIANTS[name]
+        entry: dict = {"engine": kind, "tokens_per_microbatch": seqs_per_mb * args.seq}
+        if speed is not None:
+            entry["speed"] = asdict(speed)
+        t0 = time.perf_counter()
+        engine = None
+        try:
+            engine = build_engine(kind, speed, path, seqs_per_mb * args.seq)
+            entry["build_s"] = round(time.perf_counter() - t0, 1)
+            timing, first_lp = measure(engine, data, args.steps, args.warmup)
+            entry.update(timing)
+            tps = tokens / timing.pop("step_s_raw")
+            entry["tokens_per_s"] = round(tps)
+            entry["mfu"] = round(fpt * tps / PEAK_FLOPS, 4)
+            if name == "baseline":
+                baseline_lp = first_lp
+            elif baseline_lp is not None:
+                gap = np.concatenate(
+                    [np.abs(a - b) for a, b in zip(first_lp, baseline_lp, strict=True)]
+                )
+                entry["logprob_abs_diff_vs_baseline"] = {
+                    "max": float(gap.max()),
+                    "mean": float(gap.mean()),
+                }
+        except Exception as exc:  # a variant that fails (OOM, backend refused) is a result too
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            traceback.print_exc()
+        entry["wall_s"] = round(time.perf_counter() - t0, 1)
+        del engine
+        release()
+        results["variants"][name] = entry
+        print("RESULT " + json.dumps({name: entry}), flush=True)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu_mfu.json").write_text(json.dumps(results, indent=1))
+    base = results["variants"].get("baseline", {}).get("tokens_per_s")
+    print(f"{'variant':<22}{'tok/s':>9}{'MFU':>8}{'x base':>8}{'fb s':>8}{'opt s':>8}"
+          f"{'GiB':>7}{'|dlp| max':>11}")  # fmt: skip
+    for name, e in results["variants"].items():
+        if "tokens_per_s" not in e:
+            print(f"{name:<22} {e.get('error') or e.get('skipped')}")
+            continue
+        ratio = e["tokens_per_s"] / base if base else float("nan")
+        e["over_baseline"] = round(ratio, 3)
+        gap = e.get("logprob_abs_diff_vs_baseline", {}).get("max", 0.0)
+        print(f"{name:<22}{e['tokens_per_s']:>9}{e['mfu']:>8.3f}{ratio:>8.3f}"
+              f"{e['forward_backward_s']:>8.3f}{e['optim_step_s']:>8.3f}{e['max_mem_gib']:>7.1f}"
+              f"{gap:>11.4f}")  # fmt: skip
+    results["total_s"] = round(time.perf_counter() - started, 1)
+    print("RESULT " + json.dumps({"summary": results}), flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_mfu.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
