@@ -1,0 +1,145 @@
+"""CPU check (gloo) of the megatron engine's tensor parallelism before a device run.
+
+    PYTHONPATH=/tmp/msite .venv/bin/python scripts/device/check_megatron_tp_cpu.py [--tp 2]
+
+(megatron-core installed with `pip install --no-deps --target /tmp/msite .w1/megatron_core*.whl`.)
+Runs a tiny random Qwen3 in fp32 at TP = 1 (a subprocess: one torch.distributed world per process)
+and at TP = `--tp` through `megatron_group` (ranks on gloo), then compares target logprobs, the
+loss, the exported HF weights and every parameter's gradient (sharded ones gathered, QK-norm ones
+summed over the TP group as the engine's optim_step does), and a save/load round trip.
+
+Megatron-core assumes CUDA in two places a CPU run meets, patched here for every rank (the spawned
+ranks import this file as their main module, so the patches below reach them too): RoPE moves its
+frequencies to `torch.cuda.current_device()`, and the DDP/optimizer allocate on CUDA — so this
+check leaves the optimizer out; optim_step is checked by tests/gpu/test_megatron_tp.py.
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oneloop.backends.megatron_local.engines import megatron_tp
+from oneloop.backends.megatron_local.engines.megatron_shard import REPLICATED, gather, tp_kind
+from oneloop.backends.megatron_local.engines.megatron_trainer import (
+    MegatronParallel,
+    MegatronTrainerEngine,
+)
+
+torch.cuda.current_device = lambda: "cpu"  # Megatron's RoPE: inv_freq.to(current_device())
+MegatronTrainerEngine._build_optimizer = lambda self: (self.module, None)  # CUDA-only in Megatron
+MegatronTrainerEngine._optimizers = lambda self: []
+
+
+def _dump_grads(self, path: str) -> None:
+    """Full-layout gradients of every parameter (a collective at TP > 1; rank 0 writes)."""
+    tp, rank = getattr(self, "tp", 1), getattr(self, "rank", 0)
+    grads = {}
+    for name, param in self._params_by_hf_layout().items():
+        grad = param.grad.detach().clone()
+        if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            torch.distributed.all_reduce(grad, group=self._tp_group())
+        if tp > 1 and tp_kind(name) != REPLICATED:
+            parts = [torch.empty_like(grad) for _ in range(tp)]
+            torch.distributed.all_gather(parts, grad.contiguous(), group=self._tp_group())
+            grad = gather(name, parts)
+        grads[name] = grad.numpy()
+    if rank == 0:
+        np.savez(path, **grads)
+
+
+MegatronTrainerEngine._dump_grads = _dump_grads
+megatron_tp.MegatronTpRank._dump_grads = _dump_grads
+
+
+def _tiny_model(directory: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if not (directory / "config.json").is_file():
+        config = Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+        )
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _run(tp: int, work: Path) -> None:
+    from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
+
+    model = _tiny_model(work / "model")
+    rng = np.random.default_rng(0)
+    data = []
+    for n in (20, 13, 7):
+        tokens = rng.integers(0, 128, n + 1)
+        data.append(DatumArrays(tokens[:-1], tokens[1:], {"weights": np.ones(n, np.float32)}))
+    kwargs = dict(dtype="float32", device="cpu", parallel=MegatronParallel(tp=tp))
+    if tp == 1:
+        engine = MegatronTrainerEngine(model, LoraSpec(0), **kwargs)
+
+        def call(method, *args):
+            return getattr(engine, method)(*args)
+    else:
+        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
+
+        engine = MegatronGroupEngine(model, LoraSpec(0), timeout_s=300, **kwargs)
+        call = engine._call
+    result = engine.forward_backward(data, "cross_entropy", None, forward_only=False)
+    call("_dump_grads", str(work / f"grads{tp}.npz"))
+    weights = {k: v.numpy() for k, v in engine.hf_weights().items()}
+    np.savez(work / f"tp{tp}.npz", loss=result.loss, lp=np.concatenate(result.logprobs), **weights)
+    engine.save_state(work / f"ckpt{tp}", with_optimizer=False)
+    engine.load_state(work / f"ckpt{tp}", with_optimizer=False)
+    again = engine.forward_backward(data, "cross_entropy", None, forward_only=True)
+    assert again.loss == result.loss, (again.loss, result.loss)
+    if tp > 1:
+        engine.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--only", type=int, help=argparse.SUPPRESS)  # one TP size, into --work
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.only is not None:
+        _run(args.only, args.work)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="megatron-tp-cpu-"))
+    for tp in (1, args.tp):
+        cmd = [sys.executable, __file__, "--only", str(tp), "--work", str(work)]
+        subprocess.run(cmd, check=True, timeout=900)
+    one, many = np.load(work / "tp1.npz"), np.load(work / f"tp{args.tp}.npz")
+    g1, gn = np.load(work / "grads1.npz"), np.load(work / f"grads{args.tp}.npz")
+    names = [k for k in one.files if k not in ("loss", "lp")]
+    figures = {
+        "loss_tp1": float(one["loss"]),
+        f"loss_tp{args.tp}": float(many["loss"]),
+        "logprob_abs_diff_max": float(np.abs(one["lp"] - many["lp"]).max()),
+        "weights_abs_diff_max": max(float(np.abs(one[k] - many[k]).max()) for k in names),
+        "grad_rel_diff_max": max(
+            float(np.abs(g1[k] - gn[k]).max() / (np.abs(g1[k]).max() + 1e-12)) for k in g1.files
+        ),
+    }
+    print("RESULT megatron_tp_cpu", figures)
+    ok = sorted(one.files) == sorted(many.files) and sorted(g1.files) == sorted(gn.files)
+    ok = ok and figures["logprob_abs_diff_max"] < 1e-4 and figures["weights_abs_diff_max"] == 0.0
+    ok = ok and figures["grad_rel_diff_max"] < 1e-4
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
