@@ -86,8 +86,6 @@ def _free_port() -> int:
 
 
 def _init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
-    from megatron.core import parallel_state
-
     for knob, why in REFUSED_PARALLEL.items():
         if getattr(parallel, knob) != 1:
             raise CapabilityError(f"local.megatron.{knob}={getattr(parallel, knob)}: {why}")
@@ -96,6 +94,8 @@ def _init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
         raise CapabilityError(  # megatron_group.MegatronGroupEngine starts the ranks first
             f"local.megatron.tp={parallel.tp}: the ranks are started by megatron_group"
         )
+    from megatron.core import parallel_state
+
     if not torch.distributed.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(
