@@ -16,6 +16,8 @@
 #   mfu                              megatron MFU per speed switch vs baseline vs torch (~3 min;
 #                                    MFU_ARGS="--variants baseline,all" for fewer)
 #   mfu_test                         speed switches on vs off: same logprobs/loss/step (0.6B)
+#   lora                             LoRA adapters as vLLM LoRA modules: engine tests (snapshots,
+#                                    logprobs vs torch merged weights, inflight swap) + Ray run
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -75,5 +77,9 @@ case "$stage" in
   mfu_test)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_speed.py > "$OUT/mfu_test.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/mfu_test.log" | tail -20; tail -30 "$OUT/mfu_test.log" ;;
+  lora)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py -k lora \
+      tests/gpu/test_vllm_lora_backend.py > "$OUT/lora.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES|^lora " "$OUT/lora.log" | tail -20; tail -30 "$OUT/lora.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -244,3 +244,169 @@ def _layout_tensors(hf_model, engine):
     from oneloop.backends.megatron_local.engines.weight_layout import hf_to_vllm_layout
 
     return hf_to_vllm_layout(hf_state(hf_model), engine.param_layout())
+
+
+# -- LoRA adapters as vLLM LoRA modules (`pytest -m gpu tests/gpu/test_vllm_engine.py -k lora`) ----
+
+LORA_RANK = 16
+# Adam moves every A and B entry by ~LORA_LR per step: 2 steps give a delta of ~25 % of the random
+# base weights' std, a clear change in logprobs that keeps the model's logits in their usual range.
+LORA_STEPS = 2
+LORA_LR = 0.01
+# Two adapter versions must differ by far more than the tolerance, or "each snapshot samples with
+# its own adapter" would pass with the wrong one too.
+LORA_MIN_SEPARATION = 5 * MEAN_ABS_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def lora_engine(model_dir):
+    from oneloop.backends.megatron_local.engines.vllm_lora import LoraServing
+
+    eager = os.environ.get("ONELOOP_GPU_EAGER", "0") == "1"
+    engine = VllmSamplerEngine(
+        model_dir, gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=eager,
+        lora=LoraServing(max_rank=LORA_RANK, max_loras=4, max_cpu_loras=8), max_snapshots=4,
+    )  # fmt: skip
+    yield engine
+    engine.close()
+    FIGURES["lora_sync_history"] = [vars(r) for r in engine.sync_history]
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "gpu_vllm_lora.json"
+        path.write_text(json.dumps(FIGURES, indent=1, default=str))
+
+
+@pytest.fixture(scope="module")
+def lora_versions(model_dir, tmp_path_factory):
+    """Two adapter versions from the real torch trainer (LoRA on attention + MLP, CUDA, fp32),
+    each with the merged weights the torch sampler would get: [(AdapterDir, merged), ...]."""
+    from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
+    from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+    from oneloop.backends.megatron_local.engines.vllm_lora import AdapterDir
+
+    trainer = TorchTrainerEngine(
+        model_dir, LoraSpec(rank=LORA_RANK, seed=0, train_unembed=False), device="cuda"
+    )
+    adam = dict(learning_rate=LORA_LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                grad_clip_norm=0.0)  # fmt: skip
+    root = tmp_path_factory.mktemp("adapters")
+    versions = []
+    for version in (1, 2):
+        for step in range(LORA_STEPS):
+            tokens = prompt(9000 + 10 * version + step, 256)
+            weights = np.ones(255, np.float32)
+            trainer.forward_backward(
+                [DatumArrays(tokens[:-1], tokens[1:], {"weights": weights})], "cross_entropy",
+                None, forward_only=False,
+            )  # fmt: skip
+            trainer.optim_step(adam)
+        adapter = trainer.adapter()
+        directory = adapter.write_peft(root / f"v{version}", str(model_dir))
+        nbytes = sum(int(t.nbytes) for t in adapter.tensors.values())
+        versions.append(
+            (AdapterDir(str(directory), adapter.rank, nbytes), trainer.sampler_weights())
+        )
+    del trainer
+    torch.cuda.empty_cache()
+    return versions
+
+
+@pytest.fixture(scope="module")
+def torch_reference(model_dir, lora_versions):
+    """The torch sampler engine on the trainer's merged weights: the reference logprobs (fp32)."""
+    from oneloop.backends.megatron_local.engines.torch_sampler import TorchSamplerEngine
+
+    engine = TorchSamplerEngine(model_dir, dtype="float32", device="cuda")
+    for version, (_, merged) in enumerate(lora_versions, start=1):
+        engine.set_weights(f"merged:v{version}", merged, version)
+    yield engine
+    del engine
+    torch.cuda.empty_cache()
+
+
+def lora_gaps(engine, key: str, reference, reference_key: str, n_prompts: int = 8) -> dict:
+    """Sample on `key`; score prompt + sampled tokens with the torch engine on `reference_key`."""
+    sampled_gaps, prompt_gaps = [], []
+    for i in range(n_prompts):
+        p = prompt(2000 + i)
+        request = SampleRequest(prompt=p, num_samples=1, max_tokens=64, seed=i)
+        out = engine.sample(key, request)
+        seq = out.sequences[0]
+        full = np.concatenate([p, seq.tokens.astype(np.int64)])
+        expected = reference.prompt_logprobs(reference_key, full)
+        sampled_gaps.append(np.abs(seq.logprobs - expected[len(p) :]))
+        ours = engine.prompt_logprobs(key, full)  # compute_logprobs' path: the key's adapter
+        prompt_gaps.append(np.abs(ours[1:] - expected[1:]))
+    sampled, prompted = np.concatenate(sampled_gaps), np.concatenate(prompt_gaps)
+    return dict(mean_abs=float(sampled.mean()), max_abs=float(sampled.max()),
+                prompt_mean_abs=float(prompted.mean()), prompt_max_abs=float(prompted.max()),
+                tokens=int(sampled.size))  # fmt: skip
+
+
+def test_lora_snapshots_sample_with_their_own_adapters(lora_engine, lora_versions, torch_reference):
+    """Two snapshot keys hold two adapter versions at once; each samples (and scores prompts)
+    with its own, matching the torch engine on that version's merged weights; the base weights
+    stay untouched."""
+    (first, _), (second, _) = lora_versions
+    lora_engine.set_weights("snapshot:run:1", first, 1)
+    lora_engine.set_weights("snapshot:run:2", second, 2)
+    assert lora_engine.sync_history[-1].path == "lora"
+    for key, version in (("snapshot:run:1", 1), ("snapshot:run:2", 2), ("base", 0)):
+        out = lora_engine.sample(key, SampleRequest(prompt=prompt(7), num_samples=2, max_tokens=8))
+        assert out.version == version and lora_engine.version(key) == version
+
+    own1 = lora_gaps(lora_engine, "snapshot:run:1", torch_reference, "merged:v1")
+    own2 = lora_gaps(lora_engine, "snapshot:run:2", torch_reference, "merged:v2")
+    crossed = lora_gaps(lora_engine, "snapshot:run:1", torch_reference, "merged:v2", n_prompts=2)
+    FIGURES.update(lora_v1_vs_torch=own1, lora_v2_vs_torch=own2, lora_v1_vs_torch_v2=crossed)
+    print("lora", own1, own2, crossed)
+    for figures in (own1, own2):
+        assert figures["mean_abs"] <= MEAN_ABS_TOLERANCE
+        assert figures["prompt_mean_abs"] <= MEAN_ABS_TOLERANCE
+    assert crossed["mean_abs"] >= LORA_MIN_SEPARATION  # the versions really differ
+
+    base = lora_engine.prompt_logprobs("base", prompt(8, 256))
+    expected_base = torch_reference.prompt_logprobs("base", prompt(8, 256))
+    assert np.abs(base[1:] - expected_base[1:]).mean() <= MEAN_ABS_TOLERANCE
+
+    with pytest.raises(RequestError, match="takes no full-weight updates"):
+        lora_engine.set_weights("snapshot:run:3", {}, 3)
+    dropped = lora_engine._adapters.live["snapshot:run:1"].lora_id
+    lora_engine.drop_weights("snapshot:run:1")
+    assert dropped not in lora_engine.lora_ids()
+    with pytest.raises(RequestError, match="no adapter named"):
+        lora_engine.sample("snapshot:run:1", SampleRequest(prompt=prompt(7), num_samples=1,
+                                                           max_tokens=2))  # fmt: skip
+
+
+def test_lora_inflight_swap_completes_requests_in_flight(lora_engine, lora_versions):
+    """Replacing the inflight adapter while 32 requests run: all finish with every token on the
+    version they started on, new requests take the new one, and the old adapter is unloaded
+    once the last of them ends."""
+    (first, _), (second, _) = lora_versions
+    key = "inflight:run"
+    lora_engine.set_weights(key, first, 3)
+    old_id = lora_engine._adapters.live[key].lora_id
+    futures = [
+        lora_engine.submit_sample(key, SampleRequest(prompt=prompt(6000 + i), num_samples=1,
+                                                     max_tokens=IN_FLIGHT_TOKENS, seed=i))
+        for i in range(IN_FLIGHT)
+    ]  # fmt: skip
+    time.sleep(1.0)
+    in_flight_at_swap = sum(not f.done() for f in futures)
+    lora_engine.set_weights(key, second, 4)
+    record = lora_engine.sync_history[-1]
+    after = lora_engine.sample(key, SampleRequest(prompt=prompt(7), num_samples=1, max_tokens=8))
+    outs = [f.result(timeout=600) for f in futures]
+    assert in_flight_at_swap == IN_FLIGHT, "requests finished before the swap; raise max_tokens"
+    assert after.version == 4
+    for out in outs:
+        (seq,) = out.sequences
+        assert out.version == 3 and seq.stop_reason == "length"
+        assert len(seq.tokens) == len(seq.logprobs) == IN_FLIGHT_TOKENS
+        assert np.isfinite(seq.logprobs).all()
+    assert record.path == "lora" and record.version == 4 and record.pause_ms == 0.0
+    FIGURES["lora_inflight_swap"] = dict(vars(record), in_flight=in_flight_at_swap)
+    assert old_id not in lora_engine.lora_ids()
+    assert lora_engine._adapters.loaded() == {
+        a.lora_id for a in lora_engine._adapters.live.values()
+    }

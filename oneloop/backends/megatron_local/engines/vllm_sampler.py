@@ -332,11 +332,13 @@ class VllmSamplerEngine(SamplerEngine):
         adapter = self._adapters.new(key, version, payload.path)
         t0 = time.perf_counter()
         try:  # load (and validate) now, so a bad adapter fails the publish, not a later sample
-            await self._engine.add_lora(lora_request(adapter))
+            added = await self._engine.add_lora(lora_request(adapter))
         except (ValueError, RuntimeError) as e:
             raise RequestError(
                 f"vllm refused the LoRA adapter of {key!r} ({payload.path}): {e}"
             ) from e
+        if not added:  # ids are never reused, so False means it was not loaded
+            raise BackendError(f"vllm did not load the LoRA adapter of {key!r} ({payload.path})")
         t1 = time.perf_counter()
         await self._unload(self._adapters.install(adapter))
         ms = 1e3 * (t1 - t0)
@@ -344,6 +346,10 @@ class VllmSamplerEngine(SamplerEngine):
             SyncRecord(key=key, version=version, path="lora", mode="none", bytes=payload.nbytes,
                        pause_ms=0.0, load_ms=ms, resume_ms=0.0, window_ms=0.0)
         )  # fmt: skip
+
+    def lora_ids(self) -> set[int]:
+        """LoRA ids vLLM holds loaded now (tests check that replaced adapters get unloaded)."""
+        return set(self._wait(self._engine.list_loras(), RPC_TIMEOUT_S, "list_loras"))
 
     async def _drop_adapter(self, key: str) -> None:
         assert self._adapters is not None
