@@ -1,7 +1,8 @@
 """Tensor-parallel shard ⇄ gather maps of the `megatron` engine (pure torch; runs in CI).
 
 Round trips are exact; the per-rank parts compute what Megatron's TP layers compute with them
-(column-parallel outputs concatenate, row-parallel outputs sum, SwiGLU stays per rank).
+(column-parallel outputs concatenate, row-parallel outputs sum, SwiGLU stays per rank); parallel
+sizes not built (PP, CP, EP) and bad TP requests are refused with the reason before any rank starts.
 """
 
 import pytest
@@ -125,3 +126,40 @@ def test_check_tp_names_the_indivisible_figure() -> None:
         check_tp(shape, 8)
     with pytest.raises(ValueError, match="vocab_size"):
         check_tp(shape, 5)
+
+
+def test_parallel_sizes_not_built_are_refused_with_the_reason() -> None:
+    from oneloop.backends.capabilities import CapabilityError
+    from oneloop.backends.megatron_local.engines.megatron_trainer import (
+        MegatronParallel,
+        _init_distributed,
+    )
+
+    cpu = torch.device("cpu")
+    for sizes, reason in (
+        ({"pp": 2}, "pipeline schedule"),
+        ({"cp": 2}, "TransformerEngine"),
+        ({"ep": 2}, "MoE"),
+        ({"tp": 2}, "megatron_group"),  # TP ranks exist only when the group engine starts them
+    ):
+        with pytest.raises(CapabilityError, match=reason):
+            _init_distributed(MegatronParallel(**sizes), cpu)
+
+
+def test_group_engine_refuses_before_starting_ranks(tmp_path) -> None:
+    from oneloop.backends.capabilities import CapabilityError
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+
+    Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(CapabilityError, match="LoRA"):
+        MegatronGroupEngine(tmp_path, LoraSpec(4), parallel=MegatronParallel(tp=2))
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=8), device="cpu")
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(CapabilityError, match="gpus_per_trainer=2"):
+            MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=2))

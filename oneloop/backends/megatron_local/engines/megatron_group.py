@@ -32,6 +32,8 @@ from oneloop.backends.megatron_local.engines.base import (
     LoraSpec,
     TrainerEngine,
 )
+from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape
+from oneloop.backends.megatron_local.engines.megatron_shard import check_tp
 from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel, _free_port
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -114,6 +116,9 @@ class MegatronGroupEngine(TrainerEngine):
                 "engine runs at tp=1 only"
             )
         tp = parallel.tp
+        from transformers import AutoConfig
+
+        check_tp(DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path))), tp)
         if device.startswith("cuda") and torch.cuda.device_count() < tp:
             raise CapabilityError(
                 f"local.megatron.tp={tp} needs {tp} GPUs in the trainer actor (set "
