@@ -4,10 +4,10 @@ Random Qwen3 of the 1.7 B shape at seq 4096 (batch 4), `forward_backward` (cross
 loss, through the engine contract) + `optim_step`, per variant: the engine as first built
 (`MegatronSpeed.off()`, two sequences per micro-batch: its fp32 logits did not fit more), each
 `MegatronSpeed` switch alone, all of them (the engine's default) at 8k and 16k tokens per
-micro-batch, SDPA backends, and the `torch` engine. Prints tokens/s, MFU, the ratio to the
-baseline, forward_backward and optim_step seconds, peak memory and the target-logprob gap to the
-baseline's first step (same weights: bf16 tolerance expected); writes $OUT/gpu_mfu.json after
-every variant, so a run cut short keeps what it measured.
+micro-batch, the opt-in RoPE fusion, SDPA backends, and the `torch` engine. Prints tokens/s, MFU,
+the ratio to the baseline, forward_backward and optim_step seconds, peak memory and the
+target-logprob gap to the baseline's first step (same weights: bf16 tolerance expected); writes
+$OUT/gpu_mfu.json after every variant, so a run cut short keeps what it measured.
 
 MFU = (6·N + 6·L·s·heads·head_dim) · tokens/s / 989 TFLOP/s (H200 dense bf16), N = every
 parameter, a tied embedding once (it is also the LM head's matmul), the attention term halved for
@@ -49,6 +49,7 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     "baseline": ("megatron", OFF, 2),
     "all": ("megatron", ALL, 4),
     "torch": ("torch", None, 2),
+    "all+fused_rope": ("megatron", replace(ALL, fused_rope=True), 4),
     "+fused_logprobs": ("megatron", replace(OFF, fused_logprobs=True, compile_logprobs=True), 2),
     "+bf16_norms": ("megatron", replace(OFF, bf16_norms=True), 2),
     "+swiglu_fusion": ("megatron", replace(OFF, swiglu_fusion=True), 2),
@@ -179,8 +180,8 @@ def main() -> None:
             engine = build_engine(kind, speed, path, seqs_per_mb * args.seq)
             entry["build_s"] = round(time.perf_counter() - t0, 1)
             timing, first_lp = measure(engine, data, args.steps, args.warmup)
-            entry.update(timing)
             tps = tokens / timing.pop("step_s_raw")
+            entry.update(timing)
             entry["tokens_per_s"] = round(tps)
             entry["mfu"] = round(fpt * tps / PEAK_FLOPS, 4)
             if name == "baseline":

@@ -109,6 +109,19 @@ def test_switches_on_match_switches_off(path) -> None:
     assert FIGURES["forward_only_after_step"]["logprob_abs_diff_mean"] < 0.02
 
 
+def test_fused_rope_matches_megatron_rope(path) -> None:
+    data = batch(4, "cross_entropy")
+    ref = engine(path, MegatronSpeed()).forward_backward(data, "cross_entropy", None, True)
+    torch.cuda.empty_cache()
+    got = engine(path, MegatronSpeed(fused_rope=True)).forward_backward(
+        data, "cross_entropy", None, forward_only=False
+    )
+    gap = gaps(ref, got)
+    FIGURES["fused_rope"] = {"logprob_abs_diff_mean": float(gap.mean()), "max": float(gap.max())}
+    record("megatron_speed", FIGURES)
+    assert gap.mean() < 0.02
+
+
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
 def test_attention_backends_match_auto(path, backend: str) -> None:
     data = batch(3, "cross_entropy")

@@ -18,6 +18,11 @@ together, side by side on the device); all default on because each is exact up t
   switch its param groups to torch's single-kernel fused AdamW (same update rule).
 - `attention_backend`: torch SDPA backend for the core attention: `auto` (torch's choice; GQA
   native), `flash`, `cudnn` or `efficient` (the last two get K/V expanded to the query heads).
+- `fused_rope` (opt-in until measured): RoPE applied inside the SDPA core attention as one
+  torch.compile kernel per q and k (fp32 math, one rounding) instead of megatron-core's unfused
+  bf16 path (cos/sin per layer, rotate-half by `cat`, then `cat` with the empty pass-through
+  part); the GPTModel is then built with `position_embedding_type="none"`. Positions are
+  0..s-1 per row, which is what the engine feeds (right padding, no packing).
 
 Not available without TE/APEX, so not here: RoPE fusion (TE), gradient-accumulation fusion
 (APEX `fused_weight_gradient_mlp_cuda`), TE's fused norm+linear and precision-aware optimizer.
@@ -44,6 +49,7 @@ class MegatronSpeed:
     swiglu_fusion: bool = True
     fused_adam: bool = True
     attention_backend: AttentionBackend = "auto"
+    fused_rope: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -64,6 +70,7 @@ class MegatronSpeed:
             swiglu_fusion=False,
             fused_adam=False,
             attention_backend="auto",
+            fused_rope=False,
         )
 
 
@@ -77,8 +84,36 @@ def _sdpa_backends(name: str) -> list:
     }[name]
 
 
-def sdpa_core_attention(backend: AttentionBackend = "auto"):
-    """A drop-in for megatron-core's local DotProductAttention backed by torch SDPA (causal).
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF / megatron-core non-interleaved) of x [s, b, heads, d] in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+_COMPILED_ROPE: list = []
+
+
+def _rope_fn(device: torch.device):
+    if device.type != "cuda":
+        return _rope
+    if not _COMPILED_ROPE:
+        _COMPILED_ROPE.append(torch.compile(_rope, dynamic=True))
+    return _COMPILED_ROPE[0]
+
+
+def rope_tables(seq: int, dim: int, theta: float, device: torch.device):
+    """cos, sin [seq, 1, 1, dim] (fp32) for positions 0..seq-1, as megatron-core's RotaryEmbedding
+    builds them (inv_freq = theta^(-2i/dim), angles duplicated over the two halves)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv_freq)
+    emb = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    return emb.cos(), emb.sin()
+
+
+def sdpa_core_attention(backend: AttentionBackend = "auto", rope_theta: float | None = None):
+    """A drop-in for megatron-core's local DotProductAttention backed by torch SDPA (causal);
+    with `rope_theta` it also applies RoPE to q and k first (`fused_rope`).
 
     Megatron passes q/k/v as [s, b, heads, d]; SDPA takes [b, heads, s, d] views of them."""
     from megatron.core.transformer.module import MegatronModule
@@ -88,8 +123,20 @@ def sdpa_core_attention(backend: AttentionBackend = "auto"):
             super().__init__(config=config)
             self.softmax_scale = kwargs.get("softmax_scale")
             self.backend = backend
+            self.rope_theta = rope_theta
+            self._tables: tuple | None = None
+
+        def _rotate(self, query, key):
+            seq, dim = query.size(0), query.size(-1)
+            if self._tables is None or self._tables[0].size(0) < seq:
+                self._tables = rope_tables(seq, dim, float(self.rope_theta), query.device)
+            cos, sin = (t[:seq] for t in self._tables)
+            rope = _rope_fn(query.device)
+            return rope(query, cos, sin), rope(key, cos, sin)
 
         def forward(self, query, key, value, attention_mask, **kwargs):
+            if self.rope_theta is not None:
+                query, key = self._rotate(query, key)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             grouped = k.size(1) != q.size(1)
             if self.backend == "auto":

@@ -210,7 +210,10 @@ class MegatronTrainerEngine(TrainerEngine):
                 normalization="RMSNorm", qk_layernorm=self.shape.qk_norm
             )
             spec.submodules.self_attention.submodules.core_attention = (
-                megatron_speed.sdpa_core_attention(self.speed.attention_backend)
+                megatron_speed.sdpa_core_attention(
+                    self.speed.attention_backend,
+                    rope_theta=self.shape.rope_theta if self.speed.fused_rope else None,
+                )
             )
         model = GPTModel(
             config=self.config,
@@ -221,7 +224,8 @@ class MegatronTrainerEngine(TrainerEngine):
             post_process=True,
             parallel_output=True,
             share_embeddings_and_output_weights=self.shape.tied,
-            position_embedding_type="rope",
+            # fused_rope: the SDPA core attention applies RoPE itself (megatron_speed)
+            position_embedding_type="none" if self.speed.fused_rope and not self.te else "rope",
             rotary_base=int(self.shape.rope_theta),
         )
         if self.speed.bf16_norms:
