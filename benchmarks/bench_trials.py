@@ -41,7 +41,7 @@ def _stats(values: list[float]) -> str:
     return f"mean {mean:7.3f}  p50 {p50:7.3f}  p90 {p90:7.3f}"
 
 
-async def _mcp_connect_times(work: Path, n: int) -> list[float]:
+async def _mcp_connect_times(work: Path, n: int, forkserver: bool) -> list[float]:
     from harbor.models.task.config import EnvironmentConfig
     from harbor.models.trial.paths import TrialPaths
     from mcp import ClientSession, StdioServerParameters, stdio_client
@@ -50,15 +50,17 @@ async def _mcp_connect_times(work: Path, n: int) -> list[float]:
 
     times = []
     for i in range(n):
-        paths = TrialPaths(work / f"mcp-{i}")
+        name = f"mcp-{'fork' if forkserver else 'exec'}-{i}"
+        paths = TrialPaths(work / name)
         paths.mkdir()
         env = NoContainerEnvironment(
             environment_dir=work / "none",
             environment_name="bench",
-            session_id=f"mcp-{i}",
+            session_id=name,
             trial_paths=paths,
             task_env_config=EnvironmentConfig(),
             root_base_dir=work / "roots",
+            stdio_forkserver=forkserver,
         )
         await env.start(False)
         try:
@@ -100,7 +102,10 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
     runner = TrialRunner(
         TrialRunnerConfig(
             trials_dir=work / "trials",
-            environment_kwargs={"root_base_dir": str(work / "roots")},
+            environment_kwargs={
+                "root_base_dir": str(work / "roots"),
+                "stdio_forkserver": args.stdio_forkserver == "on",
+            },
             max_concurrent_trials=args.concurrency,
             trials_per_second=args.rate,
             **agent,
@@ -131,9 +136,17 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
         values = [getattr(r.timings, f.name) for r in results]
         if any(values):
             print(f"  {f.name:16s} {_stats(values)}")
-    connect_times = await _mcp_connect_times(work, args.mcp_connects)
-    print(f"  {'mcp_connect*':16s} {_stats(connect_times)}   (*stdio server in env + "
-          "initialize + list_tools, measured alone)")
+    # Side by side: the same connects with and without the stdio fork server, interleaved.
+    await _mcp_connect_times(work, 1, True)  # start the fork server outside the measurement
+    fork, direct = [], []
+    for _ in range(args.mcp_connects):
+        fork += await _mcp_connect_times(work, 1, True)
+        direct += await _mcp_connect_times(work, 1, False)
+    print(f"  {'mcp_connect*':16s} {_stats(direct)}   (*stdio server in env + "
+          "initialize + list_tools, measured alone; started directly)")
+    print(f"  {'mcp_connect_fork*':16s} {_stats(fork)}   (the same through the stdio fork server)")
+    print(f"  fork server vs direct start: {statistics.median(direct) / statistics.median(fork):.2f}x"
+          " faster (median)")
     print("counters", {k: v for k, v in runner.counters().items() if v})
 
 
@@ -147,6 +160,8 @@ def main() -> None:
     parser.add_argument("--ray-cpus", type=int, default=4)
     parser.add_argument("--mcp-connects", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--stdio-forkserver", choices=("on", "off"), default="on",
+                        help="start stdio MCP servers through the fork server in the trial phase")
     args = parser.parse_args()
     ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
     try:

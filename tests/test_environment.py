@@ -22,7 +22,8 @@ def make_env(tmp_path: Path, name: str, **kwargs) -> NoContainerEnvironment:
     trial_paths.mkdir()
     env_dir = tmp_path / "task-env"
     env_dir.mkdir(exist_ok=True)
-    env_kwargs = {k: kwargs.pop(k) for k in ("network_policy", "user_default") if k in kwargs}
+    own = ("network_policy", "user_default", "stdio_forkserver")
+    env_kwargs = {k: kwargs.pop(k) for k in own if k in kwargs}
     return NoContainerEnvironment(
         environment_dir=env_dir,
         environment_name="demo",

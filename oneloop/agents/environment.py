@@ -42,6 +42,7 @@ from harbor.environments.capabilities import (
 )
 from harbor.models.task.config import TaskOS
 
+from oneloop.agents.stdio_forkserver import FORK_SERVERS
 from oneloop.errors import ConfigError, OneloopError
 
 NO_CONTAINER_IMPORT_PATH = "oneloop.agents.environment:NoContainerEnvironment"
@@ -84,7 +85,8 @@ class NoContainerEnvironment(BaseEnvironment):
     the same `TrialConfig`. Kwargs (via `TrialConfig.environment.kwargs`): `root_base_dir`
     (where private roots are made; default `$TMPDIR/oneloop-envs`), `max_exec_timeout_sec`
     (cap for commands given no timeout), `auto_mounting` (default True: the trial's log dirs are
-    bound in, so Harbor reads them without copying).
+    bound in, so Harbor reads them without copying), `stdio_forkserver` (default True: see
+    `stdio_command`).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class NoContainerEnvironment(BaseEnvironment):
         root_base_dir: str | Path | None = None,
         max_exec_timeout_sec: float = DEFAULT_MAX_EXEC_TIMEOUT_SEC,
         auto_mounting: bool = True,
+        stdio_forkserver: bool = True,
         **kwargs: Any,
     ) -> None:
         if max_exec_timeout_sec <= 0:
@@ -103,6 +106,11 @@ class NoContainerEnvironment(BaseEnvironment):
             root_base_dir or Path(tempfile.gettempdir()) / "oneloop-envs"
         ).absolute()
         self._max_exec_timeout_sec = float(max_exec_timeout_sec)
+        if not isinstance(stdio_forkserver, bool):
+            raise ConfigError(
+                f"environment.kwargs.stdio_forkserver must be true or false, got {stdio_forkserver!r}"
+            )
+        self._stdio_forkserver = stdio_forkserver
         self._control_dir: Path | None = None
         self._process_groups: set[int] = set()
         super().__init__(*args, auto_mounting=auto_mounting, **kwargs)
@@ -307,10 +315,16 @@ class NoContainerEnvironment(BaseEnvironment):
         nonzero exit of the server (a crash mid-trial, not the client's SIGTERM, which takes
         the wrapper down with it) is written to `<trial agent dir>/STDIO_EXIT_PREFIX<pid>.txt`
         so the trial runner can count it as an infrastructure failure.
+
+        `python -m MODULE` of this interpreter starts through a fork server that imported MODULE
+        once (`stdio_forkserver`; kwarg `stdio_forkserver=False` turns it off): the same program
+        in the same private view and with the same exit status, without paying its imports again.
         """
         argv = self._entry_argv(self._workdir)
         control = self._control_dir
         assert control is not None  # _entry_argv checked it
+        if self._stdio_forkserver:
+            command, args = FORK_SERVERS.command(command, args) or (command, args)
         pids = shlex.quote(str(control / "stdio.pids"))
         exits = shlex.quote(str(self.host_path(PurePosixPath("/logs/agent")) / STDIO_EXIT_PREFIX))
         script = (
