@@ -379,7 +379,7 @@ def test_ragged_batches_are_checked_at_once_and_match_the_reference(lengths):
     ]
     body = _body(data)
     header, records = proto_scan._split(body)
-    layout = proto_scan._read_datum(body, records[0][1], records[0][2])
+    layout = proto_scan._read_datum(body, records.payloads[0], records.ends[0])
     assert proto_scan._ragged_batch(body, records, layout) is not None  # no datum-by-datum read
     scanned = scan_forward_backward(body)
     assert scanned is not None
@@ -404,7 +404,7 @@ def test_a_datum_framed_otherwise_in_a_ragged_batch_is_read_on_its_own():
         b"\x1a" + _varint(len(d)) + d for d in (*many, reordered, *many)
     )
     header, records = proto_scan._split(body)
-    layout = proto_scan._read_datum(body, records[0][1], records[0][2])
+    layout = proto_scan._read_datum(body, records.payloads[0], records.ends[0])
     assert proto_scan._ragged_batch(body, records, layout) is None
     scanned = scan_forward_backward(body)
     assert scanned is not None

@@ -32,7 +32,9 @@ inputs). Little-endian hosts only, like the reference's `np.frombuffer` reads of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from itertools import repeat
+from operator import sub
+from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -56,9 +58,10 @@ _EXPECTED = {
 }
 _DATA_TAG = 0x1A  # ForwardBackwardRequest field 3 (data), length-delimited
 # Below this many datums a ragged batch is read datum by datum: the batch check's fixed numpy
-# cost (~0.3-0.45 ms) outweighs the ~6.5 us per datum it saves (measured: 64 datums of 50-200
-# tokens 540 us vs 419 us; 340 datums of 512-1024 tokens 0.65 ms vs 1.96 ms).
-RAGGED_BATCH_MIN_DATUMS = 96
+# cost (~60 us) outweighs the ~5 us per datum it saves (thread CPU time, min of 41: 8 datums of
+# 50-200 tokens 85 us vs 98 us, 16: 106 vs 162, 64: 231 vs 543; 342 datums of 512-1024 tokens
+# ~1.3 ms vs ~2.6 ms).
+RAGGED_BATCH_MIN_DATUMS = 8
 _new = object.__new__
 _set = object.__setattr__
 
@@ -96,7 +99,7 @@ def scan_forward_backward(body: bytes) -> ScannedForwardBackward | None:
     try:
         header, records = _split(body)
         msg = pb.ForwardBackwardRequest.FromString(header)
-        config = proto.check_header(msg, has_data=bool(records))
+        config = proto.check_header(msg, has_data=bool(records.starts))
         expected = _EXPECTED.get(msg.loss_fn)
         if expected is None:
             return None
@@ -127,18 +130,35 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise _Other
 
 
-def _split(body: bytes) -> tuple[bytes, list[tuple[int, int, int]]]:
-    """The request's non-`data` fields as one message, and each datum as (record start, payload
-    start, end): a record is the datum's tag, length and payload."""
-    records: list[tuple[int, int, int]] = []
+class _Records(NamedTuple):
+    """The body's datum records: where each starts (its tag), its payload starts, and it ends."""
+
+    starts: list[int]
+    payloads: list[int]
+    ends: list[int]
+
+
+def _split(body: bytes) -> tuple[bytes, _Records]:
+    """The request's non-`data` fields as one message, and the datum records."""
+    starts: list[int] = []
+    payloads: list[int] = []
+    ends: list[int] = []
     header: list[bytes] = []
     pos, end = 0, len(body)
     while pos < end:
         start = pos
         if body[pos] == _DATA_TAG:
-            size, pos = _varint(body, pos + 1)
-            records.append((start, pos, pos + size))
+            byte = body[pos + 1]
+            if byte < 0x80:
+                size, pos = byte, pos + 2
+            elif body[pos + 2] < 0x80:  # a record of 128 bytes to 16 KiB
+                size, pos = (byte & 0x7F) | body[pos + 2] << 7, pos + 3
+            else:
+                size, pos = _varint(body, pos + 1)
+            starts.append(start)
+            payloads.append(pos)
             pos += size
+            ends.append(pos)
             continue
         key, pos = _varint(body, pos)
         wire_type = key & 7
@@ -154,7 +174,7 @@ def _split(body: bytes) -> tuple[bytes, list[tuple[int, int, int]]]:
         header.append(body[start:pos])
     if pos != end:
         raise _Other  # the last field runs past the body
-    return b"".join(header), records
+    return b"".join(header), _Records(starts, payloads, ends)
 
 
 # One datum's layout: token chunks [(offset, bytes)] and inputs [(name, dtype, offset, bytes,
@@ -231,21 +251,18 @@ def _check_inputs(layout: _Layout, expected: dict[bytes, int]) -> int:
 
 
 def _arrays(
-    body: bytes, records: list[tuple[int, int, int]], expected: dict[bytes, int]
+    body: bytes, records: _Records, expected: dict[bytes, int]
 ) -> tuple[list[DatumArrays], int]:
-    first = records[0]
-    layout = _read_datum(body, first[1], first[2])
+    starts, _, ends = records
+    layout = _read_datum(body, records.payloads[0], ends[0])
     length = _check_inputs(layout, expected)
-    width = first[2] - first[0]
-    uniform = all(
-        end - start == width and start == first[0] + i * width
-        for i, (start, _, end) in enumerate(records)
-    )
-    same = _uniform(body, records, layout, width) if uniform else None
+    width = ends[0] - starts[0]
+    uniform = starts[1:] == ends[:-1] and set(map(sub, ends, starts)) == {width}
+    same = _uniform(body, starts[0], len(starts), layout, width) if uniform else None
     if same is not None:
         tokens, fields = same
-        lengths = [length] * len(records)
-    else:  # ragged, or equal widths framed differently (e.g. chunked otherwise)
+        lengths = [length] * len(starts)
+    else:  # ragged, or equal widths framed otherwise (e.g. chunked otherwise)
         tokens, fields, lengths = _ragged_batch(body, records, layout) or _ragged(
             body, records, expected
         )
@@ -257,17 +274,17 @@ def _arrays(
                 raise _Other
         elif not np.isfinite(values).all():
             raise _Other
-    return _datum_arrays(tokens, fields, lengths), int(tokens.size)
+    return _datum_arrays(tokens.astype(np.int64), fields, lengths), int(tokens.size)
 
 
 def _uniform(
-    body: bytes, records: list[tuple[int, int, int]], layout: _Layout, width: int
+    body: bytes, base: int, count: int, layout: _Layout, width: int
 ) -> tuple[np.ndarray, dict[bytes, np.ndarray]] | None:
-    """Tokens (datums, T) int64 and each input (datums, T), for records of one byte length
-    laid end to end, if every record's framing bytes equal the first's (else None)."""
-    base = records[0][0]
-    rows = np.frombuffer(body, np.uint8, count=len(records) * width, offset=base)
-    rows = rows.reshape(len(records), width)
+    """Tokens (datums, T) int32 and each input (datums, T), for `count` records of one byte
+    `width` laid end to end from `base`, if every record's framing bytes equal the first's
+    (else None)."""
+    rows = np.frombuffer(body, np.uint8, count=count * width, offset=base)
+    rows = rows.reshape(count, width)
     chunks, inputs = layout
     framing = np.ones(width, bool)
     for at, size in chunks:
@@ -279,7 +296,7 @@ def _uniform(
     if not (heads[1:] == heads[0]).all():
         return None
     parts = [rows[:, at - base : at - base + size].view(np.int32) for at, size in chunks]
-    tokens = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)).astype(np.int64)
+    tokens = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     fields = {
         name: rows[:, at - base : at - base + size].view(
             np.int64 if dtype == _INT64 else np.float32).copy()
@@ -289,52 +306,54 @@ def _uniform(
 
 
 def _ragged_batch(
-    body: bytes, records: list[tuple[int, int, int]], layout: _Layout
-) -> tuple[np.ndarray, dict[bytes, np.ndarray], list[int]] | None:
+    body: bytes, records: _Records, layout: _Layout
+) -> tuple[np.ndarray, dict[bytes, np.ndarray], np.ndarray] | None:
     """Like `_ragged`, for datums framed as the first one is (one token chunk; same inputs),
     their framing checked all at once (`proto_ragged`); None for any other batch."""
     chunks, inputs = layout
-    if len(chunks) != 1 or len(records) < RAGGED_BATCH_MIN_DATUMS:
+    if len(chunks) != 1 or len(records.starts) < RAGGED_BATCH_MIN_DATUMS:
         return None
-    table = np.array(records, np.int64)
-    starts, widths = table[:, 0], table[:, 2] - table[:, 0]
+    starts = np.array(records.starts, np.int64)
+    widths = np.array(records.ends, np.int64) - starts
     found = ragged_layout(body, starts, widths, [(n, d, s) for n, d, _, _, s in inputs])
     if found is None:
         return None
     t, offsets = found
+    count = len(t)
+    itemsizes = np.array([4] + [_ITEMSIZE[dtype] for _, dtype, *_ in inputs], np.int64)
+    # every payload's bytes as one memoryview slice (tokens of all datums, then each input)
     view = memoryview(body)
-    sizes = (4 * t).tolist()
-    tokens = np.frombuffer(
-        b"".join([view[a : a + n] for a, n in zip(offsets[-1].tolist(), sizes, strict=True)]),
-        np.int32,
-    ).astype(np.int64)
-    fields: dict[bytes, np.ndarray] = {}
-    for index, (name, dtype, *_) in enumerate(inputs):
-        itemsize = _ITEMSIZE[dtype]
-        sizes = (itemsize * t).tolist()
-        joined = bytearray().join(
-            [view[a : a + n] for a, n in zip(offsets[index].tolist(), sizes, strict=True)]
-        )  # one copy, writable
-        fields[name] = np.frombuffer(joined, np.int64 if dtype == _INT64 else np.float32)
-    return tokens, fields, t.tolist()
+    ends = offsets + t[:, None] * itemsizes
+    cuts = map(slice, offsets.T.ravel().tolist(), ends.T.ravel().tolist())
+    views = list(map(view.__getitem__, cuts))
+    tokens = np.frombuffer(b"".join(views[:count]), np.int32)
+    fields = {
+        name: np.frombuffer(
+            bytearray().join(views[(i + 1) * count : (i + 2) * count]),  # one copy, writable
+            np.int64 if dtype == _INT64 else np.float32,
+        )
+        for i, (name, dtype, *_) in enumerate(inputs)
+    }
+    return tokens, fields, t
 
 
 def _ragged(
-    body: bytes, records: list[tuple[int, int, int]], expected: dict[bytes, int]
-) -> tuple[np.ndarray, dict[bytes, np.ndarray], list[int]]:
-    """Tokens int64 and each input, all datums joined (datum by datum), and each datum's length."""
+    body: bytes, records: _Records, expected: dict[bytes, int]
+) -> tuple[np.ndarray, dict[bytes, np.ndarray], list[int] | np.ndarray]:
+    """Tokens int32 and each input, all datums joined (datum by datum), and each datum's
+    length."""
     view = memoryview(body)
     token_parts: list[memoryview] = []
     parts: dict[bytes, list[memoryview]] = {name: [] for name in expected}
     lengths: list[int] = []
-    for _, start, end in records:
+    for start, end in zip(records.payloads, records.ends, strict=True):
         layout = _read_datum(body, start, end)
         lengths.append(_check_inputs(layout, expected))
         for at, size in layout[0]:
             token_parts.append(view[at : at + size])
         for name, _, at, size, _ in layout[1]:
             parts[name].append(view[at : at + size])
-    tokens = np.frombuffer(b"".join(token_parts), np.int32).astype(np.int64)
+    tokens = np.frombuffer(b"".join(token_parts), np.int32)
     fields = {
         name: np.frombuffer(bytearray().join(p), np.int64 if expected[name] == _INT64
                             else np.float32)  # a bytearray join: one copy, writable
@@ -344,7 +363,7 @@ def _ragged(
 
 
 def _datum_arrays(
-    tokens: np.ndarray, fields: dict[bytes, np.ndarray], lengths: list[int]
+    tokens: np.ndarray, fields: dict[bytes, np.ndarray], lengths: list[int] | np.ndarray
 ) -> list[DatumArrays]:
     """One `DatumArrays` per datum, every array a view of the batch's arrays; built without
     the frozen dataclass's per-field `__setattr__` (the same fields as `DatumArrays(...)`)."""
@@ -354,17 +373,20 @@ def _datum_arrays(
         columns = [list(tokens), list(targets), *(list(v) for v in fields.values())]
     else:
         ends = np.cumsum(lengths).tolist()
-        starts = [0, *ends[:-1]]
-        columns = [[flat[a:b] for a, b in zip(starts, ends, strict=True)]
+        cuts = list(map(slice, [0, *ends[:-1]], ends))
+        columns = [list(map(flat.__getitem__, cuts))
                    for flat in (tokens, targets, *fields.values())]  # fmt: skip
     if len(names) == 1:
         name = names[0]
-        inputs = [{name: value} for value in columns[2]]
+        states = [
+            {"tokens": ids, "targets": target, "inputs": {name: value}}
+            for ids, target, value in zip(*columns, strict=True)
+        ]
     else:
-        inputs = [dict(zip(names, row, strict=True)) for row in zip(*columns[2:], strict=True)]
-    out: list[DatumArrays] = []
-    for ids, target, values in zip(columns[0], columns[1], inputs, strict=True):
-        datum = _new(DatumArrays)
-        _set(datum, "__dict__", {"tokens": ids, "targets": target, "inputs": values})
-        out.append(datum)
+        states = [
+            {"tokens": ids, "targets": target, "inputs": dict(zip(names, values, strict=True))}
+            for ids, target, *values in zip(*columns, strict=True)
+        ]
+    out = list(map(_new, repeat(DatumArrays, len(states))))
+    list(map(_set, out, repeat("__dict__"), states))  # (C-level calls, no per-datum bytecode)
     return out
