@@ -75,6 +75,14 @@ def test_swap_with_nothing_running_unloads_the_old_adapter_at_once():
     assert unload == [old]
 
 
+def test_an_older_version_finishing_its_load_last_does_not_replace_a_newer_one():
+    table = AdapterTable(max_snapshots=4)
+    older = table.new("inflight:run", 3, "/a/v3")
+    newer, _ = installed(table, "inflight:run", 4)
+    assert table.install(older) == [older]
+    assert table.acquire("inflight:run") == newer and table.version("inflight:run") == 4
+
+
 def test_drop_unloads_now_or_after_the_last_request():
     table = AdapterTable(max_snapshots=4)
     idle, _ = installed(table, "snapshot:run:1", 1)

@@ -410,3 +410,30 @@ def test_lora_inflight_swap_completes_requests_in_flight(lora_engine, lora_versi
     assert lora_engine._adapters.loaded() == {
         a.lora_id for a in lora_engine._adapters.live.values()
     }
+
+
+def test_lora_on_lm_head_is_refused_by_vllm(lora_engine, lora_versions, tmp_path):
+    """The fact behind refusing `train_unembed=True` for vllm (`vllm_lora.check_adapter_targets`):
+    vLLM 0.26 has no LoRA layer for Qwen3's lm_head, so an adapter carrying one fails to load."""
+    from safetensors.numpy import load_file
+
+    from oneloop.backends.megatron_local.engines.base import LoraAdapter
+    from oneloop.backends.megatron_local.engines.vllm_lora import AdapterDir
+
+    (first, _), _ = lora_versions
+    config = json.loads((Path(first.path) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(first.path) / "adapter_model.safetensors"))
+    hidden = tensors[next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))].shape[1]
+    rng = np.random.default_rng(0)
+    tensors["base_model.model.lm_head.lora_A.weight"] = rng.normal(
+        0, 0.02, (LORA_RANK, hidden)
+    ).astype(np.float32)
+    tensors["base_model.model.lm_head.lora_B.weight"] = np.zeros((VOCAB, LORA_RANK), np.float32)
+    adapter = LoraAdapter(
+        rank=config["r"], alpha=config["lora_alpha"],
+        target_modules=(*config["target_modules"], "lm_head"), tensors=tensors,
+    )  # fmt: skip
+    directory = adapter.write_peft(tmp_path / "with_lm_head", config["base_model_name_or_path"])
+    with pytest.raises(RequestError, match="vllm refused the LoRA adapter"):
+        lora_engine.set_weights("snapshot:lm_head", AdapterDir(str(directory), LORA_RANK, 0), 9)
+    assert not lora_engine.has_weights("snapshot:lm_head")

@@ -181,7 +181,12 @@ class AdapterTable:
         return Adapter(key, version, lora_id, f"{key}@v{version}#{lora_id}", path)
 
     def install(self, adapter: Adapter) -> list[Adapter]:
-        """Make `adapter` the one `adapter.key` samples with; evict snapshots over the limit."""
+        """Make `adapter` the one `adapter.key` samples with; evict snapshots over the limit.
+        Versions only move forward: an adapter older than the key's is returned for unloading
+        instead (two publishes of one key that finished loading out of order)."""
+        current = self.live.get(adapter.key)
+        if current is not None and current.version > adapter.version:
+            return [adapter]
         unload = self._retire(self.live.pop(adapter.key, None))
         self.live[adapter.key] = adapter
         self.evicted.discard(adapter.key)
@@ -197,9 +202,10 @@ class AdapterTable:
     def version(self, key: str) -> int:
         if key == BASE_KEY:
             return 0
-        if key not in self.live:
+        adapter = self.live.get(key)  # one read: other threads may ask while the loop installs
+        if adapter is None:
             raise KeyError(f"vllm sampler has no adapter for {key!r}")
-        return self.live[key].version
+        return adapter.version
 
     def acquire(self, key: str) -> Adapter | None:
         """The adapter a new request on `key` runs with (None = the base model), counted as

@@ -239,15 +239,10 @@ class VllmSamplerEngine(SamplerEngine):
         version: int,
     ) -> None:
         if (self._adapters is not None) != isinstance(weights, AdapterDir):
-            raise RequestError(
-                f"set_weights({key!r}): this vllm engine "
-                + (
-                    "serves LoRA adapters and takes no full-weight updates"
-                    if self._adapters is not None
-                    else "was started without LoRA and takes no adapters"
-                )
-                + " (LoRA runs and full fine-tuning of one base model need separate engines)"
-            )
+            what = "serves LoRA adapters and takes no full-weight updates" if self._adapters else (
+                "was started without LoRA and takes no adapters")  # fmt: skip
+            raise RequestError(f"set_weights({key!r}): this vllm engine {what} (LoRA runs and full "
+                               "fine-tuning of one base model need separate engines)")  # fmt: skip
         if isinstance(weights, AdapterDir):
             self._wait(
                 self._install_adapter(key, version, weights),
@@ -333,14 +328,21 @@ class VllmSamplerEngine(SamplerEngine):
         t0 = time.perf_counter()
         try:  # load (and validate) now, so a bad adapter fails the publish, not a later sample
             added = await self._engine.add_lora(lora_request(adapter))
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:
+            # vLLM reports a failed load in its engine core as a plain `Exception` carrying the
+            # message (`_process_utility_output`); anything else (a dead engine) is not ours.
+            if type(e) is not Exception and not isinstance(e, ValueError):
+                raise
             raise RequestError(
                 f"vllm refused the LoRA adapter of {key!r} ({payload.path}): {e}"
             ) from e
         if not added:  # ids are never reused, so False means it was not loaded
             raise BackendError(f"vllm did not load the LoRA adapter of {key!r} ({payload.path})")
         t1 = time.perf_counter()
-        await self._unload(self._adapters.install(adapter))
+        unload = self._adapters.install(adapter)
+        await self._unload(unload)
+        if adapter in unload:  # a newer version of `key` was installed meanwhile
+            return
         ms = 1e3 * (t1 - t0)
         self.sync_history.append(
             SyncRecord(key=key, version=version, path="lora", mode="none", bytes=payload.nbytes,
