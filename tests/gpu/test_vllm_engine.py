@@ -310,16 +310,33 @@ def lora_versions(model_dir, tmp_path_factory):
     return versions
 
 
+class MergedReference:
+    """transformers (fp32, CUDA) on the torch trainer's merged weights of each version: what the
+    torch sampler engine computes (it needs a tokenizer, which the device's random model lacks)."""
+
+    def __init__(self, model_dir: Path, merged: dict[str, dict[str, np.ndarray]]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.models = {}
+        for key, weights in {"base": None, **merged}.items():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            if weights is not None:
+                model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+            self.models[key] = model.to("cuda").eval().requires_grad_(False)
+
+    def prompt_logprobs(self, key: str, tokens: np.ndarray) -> np.ndarray:
+        """Like `SamplerEngine.prompt_logprobs`: NaN at position 0."""
+        scored = hf_target_logprobs(self.models[key], tokens)
+        return np.concatenate([np.array([np.nan], np.float32), scored.astype(np.float32)])
+
+
 @pytest.fixture(scope="module")
 def torch_reference(model_dir, lora_versions):
-    """The torch sampler engine on the trainer's merged weights: the reference logprobs (fp32)."""
-    from oneloop.backends.megatron_local.engines.torch_sampler import TorchSamplerEngine
-
-    engine = TorchSamplerEngine(model_dir, dtype="float32", device="cuda")
-    for version, (_, merged) in enumerate(lora_versions, start=1):
-        engine.set_weights(f"merged:v{version}", merged, version)
-    yield engine
-    del engine
+    reference = MergedReference(
+        model_dir, {f"merged:v{v}": merged for v, (_, merged) in enumerate(lora_versions, 1)}
+    )
+    yield reference
+    reference.models.clear()
     torch.cuda.empty_cache()
 
 
