@@ -6,7 +6,8 @@
 Runs a tiny random Qwen3 in fp32 at TP = 1 (a subprocess: one torch.distributed world per process)
 and at TP = `--tp` through `megatron_group` (ranks on gloo), then compares target logprobs, the
 loss, the exported HF weights and every parameter's gradient (sharded ones gathered, QK-norm ones
-summed over the TP group as the engine's optim_step does), and a save/load round trip.
+summed over the TP group as the engine's optim_step does), a save/load round trip, an error all
+ranks raise alike (group stays usable) and a killed rank (a clear error).
 
 Megatron-core assumes CUDA in two places a CPU run meets, patched here for every rank (the spawned
 ranks import this file as their main module, so the patches below reach them too): RoPE moves its
@@ -78,6 +79,7 @@ def _tiny_model(directory: Path) -> Path:
 
 def _run(tp: int, work: Path) -> None:
     from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
+    from oneloop.backends.megatron_local.losses import LossInputError
 
     model = _tiny_model(work / "model")
     rng = np.random.default_rng(0)
@@ -104,7 +106,19 @@ def _run(tp: int, work: Path) -> None:
     engine.load_state(work / f"ckpt{tp}", with_optimizer=False)
     again = engine.forward_backward(data, "cross_entropy", None, forward_only=True)
     assert again.loss == result.loss, (again.loss, result.loss)
-    if tp > 1:
+    if tp > 1:  # failure handling of the group
+        try:
+            engine.forward_backward(data, "no_such_loss", None, forward_only=True)
+        except LossInputError:  # every rank fails alike: rank 0's error as is, group usable
+            pass
+        assert engine.forward_backward(data, "cross_entropy", None, True).loss == result.loss
+        engine._workers[0][0].kill()
+        engine._workers[0][0].join(30)
+        try:
+            engine.forward_backward(data, "cross_entropy", None, forward_only=True)
+            raise AssertionError("a dead rank went unnoticed")
+        except RuntimeError as error:
+            assert "TP rank 1 exited" in str(error), error
         engine.close()
 
 

@@ -10,8 +10,9 @@ Each call is sent first to every worker (method name + picklable numpy args over
 on rank 0; the workers run the same call (Megatron's collectives pair them up) and answer ok or
 their traceback; rank 0 returns its own result. Bounded waits: joining the world and every
 collective time out after `timeout_s` (the process group's timeout), a worker's answer is awaited
-at most `timeout_s` while its process is watched; a dead or failed worker is an error naming the
-rank, its exit code or traceback, after which the group refuses further calls.
+at most `timeout_s` while its process is watched. A failure every rank raises alike (a bad loss
+config) is re-raised as is and the group stays usable; a dead, silent or lone failing rank is an
+error naming the rank and its exit code or traceback, after which the group refuses further calls.
 """
 
 import multiprocessing as mp
@@ -149,45 +150,48 @@ class MegatronGroupEngine(TrainerEngine):
             local = _join_world(0, tp, address, device, timeout_s)
             self.local = MegatronTpRank(**{**build, "device": local}, rank=0)
         except BaseException as error:
-            reasons = self._collect("build", raise_errors=False, wait_s=5.0)
+            reasons = [f"rank {r}: {kind} {detail}" for r, kind, detail in self._answers(5.0)]
             self.close()
             raise RuntimeError(
                 f"megatron TP group (tp={tp}) failed to start: rank 0: {error!r}; {reasons}"
             ) from error
-        self._collect("build", expect="ready")
+        answers = self._answers()
+        if any(kind != "ready" for _, kind, _ in answers):
+            self.close()
+            self._fail("build", answers, "ready")
 
     # -- the call protocol -----------------------------------------------------------------------
 
-    def _collect(
-        self,
-        method: str,
-        expect: str = "ok",
-        raise_errors: bool = True,
-        wait_s: float | None = None,
-    ) -> str:
-        """Wait for every worker's answer to `method`; raise (or, if not `raise_errors`, return) the
-        failures, naming the rank."""
-        failures = []
+    def _answers(self, wait_s: float | None = None) -> list[tuple[int, str, str | None]]:
+        """(rank, kind, detail) per worker: kind is its answer ("ok", "ready", "error") or "dead"
+        (exited, or silent for `wait_s`, default `timeout_s`, while alive)."""
+        wait = self.timeout_s if wait_s is None else wait_s
+        answers = []
         for rank, (process, conn) in enumerate(self._workers, start=1):
-            deadline = time.monotonic() + (self.timeout_s if wait_s is None else wait_s)
+            deadline = time.monotonic() + wait
             answer = None
             while answer is None:
                 if conn.poll(_POLL_S):
                     try:
                         answer = conn.recv()
                     except EOFError:
-                        answer = ("error", f"exited with code {process.exitcode}")
+                        answer = ("dead", f"exited with code {process.exitcode}")
                 elif not process.is_alive():
-                    answer = ("error", f"exited with code {process.exitcode}")
+                    answer = ("dead", f"exited with code {process.exitcode}")
                 elif time.monotonic() > deadline:
-                    answer = ("error", f"no answer within {self.timeout_s:.0f} s")
-            if answer[0] != expect:
-                failures.append(f"TP rank {rank} during {method}: {answer[1]}")
-        report = "\n".join(failures)
-        if failures and raise_errors:
-            self._broken = report
-            raise RuntimeError(f"megatron TP group failed:\n{report}")
-        return report
+                    answer = ("dead", f"no answer within {wait:.0f} s")
+            answers.append((rank, answer[0], answer[1]))
+        return answers
+
+    def _fail(self, method: str, answers: list[tuple[int, str, str | None]], expect: str) -> None:
+        """Mark the group broken and raise, naming every rank that did not answer `expect`."""
+        report = "\n".join(
+            f"TP rank {rank} during {method}: {detail}"
+            for rank, kind, detail in answers
+            if kind != expect
+        )
+        self._broken = report
+        raise RuntimeError(f"megatron TP group failed:\n{report}")
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._broken is not None:
@@ -202,9 +206,13 @@ class MegatronGroupEngine(TrainerEngine):
         try:
             result = getattr(self.local, method)(*args)
         except Exception:
-            self._collect(method)  # a worker's failure explains more than rank 0's echo of it
-            raise
-        self._collect(method)
+            answers = self._answers()
+            if any(kind != "error" for _, kind, _ in answers):
+                self._fail(method, answers, "error")  # ranks disagree: the group is out of step
+            raise  # every rank failed alike (e.g. a bad loss config): the group stays usable
+        answers = self._answers()
+        if any(kind != "ok" for _, kind, _ in answers):
+            self._fail(method, answers, "ok")
         return result
 
     def close(self) -> None:
