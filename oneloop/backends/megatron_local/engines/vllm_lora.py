@@ -17,6 +17,13 @@ Owns what can be decided without vLLM (this module never imports it, so CI tests
 Why no pause on an adapter swap: each request carries its own `LoRARequest`, so requests already
 running finish on the adapter they started with while new ones take the new one; the old adapter
 is unloaded when its last request finishes.
+
+Checked against vLLM 0.26.0's own source (the wheel the device installs): `LoRAConfig`'s
+`MaxLoRARanks`; `LoRARequest` (id > 0, equality by name); the LRU worker manager loads any
+adapter a scheduled request names from its `lora_path` (so one pushed out of the host cache by
+`max_cpu_loras` comes back) and `remove_lora` drops it from that cache; `lm_head` is a LoRA target
+only for models that declare it in `embedding_modules`. The prefix-cache key is from vLLM's
+`kv_cache_utils.py` as stored upstream (that file is not in the part of the wheel kept here).
 """
 
 import itertools
