@@ -1,6 +1,7 @@
 """The `megatron` trainer at TP = 2 (two GPUs, `megatron_group`) against TP = 1, same random Qwen3
 (0.6 B shape, bf16): forward_backward loss and target logprobs, grad norm and HF weights after one
-optim_step, save/load restore, and a dead worker rank turning into an error.
+optim_step, save/load restore, the group inside a Ray trainer actor, and a dead worker rank turning
+into an error.
 
 TP = 1 runs first in a subprocess (torch.distributed is one world per process; this file run as a
 script is that subprocess), then TP = 2 in the test process. Device only, nvidia-h200-x2:
@@ -156,6 +157,35 @@ def test_save_and_load_state_restores_weights_and_optimizer(tp2, tmp_path) -> No
     assert tp2.forward_backward(data, "cross_entropy", None, forward_only=True).loss == (
         pytest.approx(after_one, rel=1e-4)
     )
+
+
+def test_ray_trainer_actor_hosts_the_tp_group(model, tp1) -> None:
+    """The trainer actor (2 GPUs) holds the group engine like any engine: rank 0 in the actor
+    process, rank 1 spawned from it on the actor's second GPU."""
+    ray = pytest.importorskip("ray")
+    from oneloop.backends.config import LocalBackendConfig
+    from oneloop.backends.megatron_local.actors import TrainerActor
+
+    local = LocalBackendConfig(
+        trainer_engine="megatron", dtype="bfloat16", gpus_per_trainer=2, megatron={"tp": 2}
+    )
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_gpus=2, include_dashboard=False)
+    try:
+        actor = TrainerActor.options(num_gpus=2).remote(local, str(model), LoraSpec(0))
+        assert ray.get(actor.ready.remote(), timeout=600)
+        data = batch(1, "cross_entropy")
+        result = ray.get(
+            actor.forward_backward.remote(data, "cross_entropy", None, False), timeout=300
+        )
+        tokens = sum(len(d.tokens) for d in data)
+        figures = {"loss_actor_tp2": result.loss, "loss_tp1": tp1["cross_entropy"][0]}
+        record("megatron_tp_actor", figures)
+        assert abs(result.loss - tp1["cross_entropy"][0]) / tokens < 0.01
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
 
 
 def test_dead_worker_is_a_clear_error(tp2) -> None:  # last: it breaks the group
