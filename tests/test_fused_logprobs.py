@@ -32,11 +32,15 @@ def _reference(h, w, t):
     return token_logprobs(h @ w.t(), t)
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 8, 64])
-def test_fp32_equals_reference(chunk_rows: int) -> None:
+@pytest.mark.parametrize(("chunk_rows", "block_rows"), [(1, None), (8, None), (64, None), (8, 5)])
+def test_fp32_equals_reference(chunk_rows: int, block_rows: int | None) -> None:
+    """block_rows=5: GEMMs in row blocks (what a [tokens, vocab] past 2**31 elements takes)."""
     case = _case(torch.float32)
     ref = _grads(_reference, *case)
-    got = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=chunk_rows), *case)
+    got = _grads(
+        lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=chunk_rows, block_rows=block_rows),
+        *case,
+    )
     for r, g in zip(ref, got, strict=True):
         assert g.dtype == r.dtype
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)

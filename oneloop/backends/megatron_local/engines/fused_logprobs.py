@@ -24,6 +24,9 @@ from collections.abc import Callable
 import torch
 
 CHUNK_ROWS = 2048  # 2048 × 152k vocab: a 1.2 GB fp32 chunk (eager) and < 2**31 elements per kernel
+# GEMMs whose [rows, vocab] operand would pass 2**31 elements run in row blocks (16k tokens × 152k
+# vocab is 2.5e9): the same per-row results; the weight gradient then sums the blocks in fp32.
+GEMM_MAX_ELEMENTS = 2**31 - 1
 
 
 def _chunk_forward(
@@ -71,17 +74,23 @@ def _kernels(compiled: bool) -> tuple[Callable, Callable]:
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows, compiled):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, chunk_rows, block_rows, compiled):  # type: ignore[override]
         forward_fn, _ = _kernels(compiled)
-        logits = hidden @ weight.t()
         rows = hidden.size(0)
+        if rows <= block_rows:
+            logits = hidden @ weight.t()
+        else:
+            logits = hidden.new_empty(rows, weight.size(0))
+            for start in range(0, rows, block_rows):
+                part = slice(start, start + block_rows)
+                torch.matmul(hidden[part], weight.t(), out=logits[part])
         logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         for start in range(0, rows, chunk_rows):
             part = slice(start, start + chunk_rows)
             logprobs[part], lse[part] = forward_fn(logits[part], targets[part])
         ctx.save_for_backward(hidden, weight, targets, logits, lse)
-        ctx.chunk_rows, ctx.compiled = chunk_rows, compiled
+        ctx.chunk_rows, ctx.block_rows, ctx.compiled = chunk_rows, block_rows, compiled
         return logprobs
 
     @staticmethod
@@ -94,9 +103,26 @@ class _LinearLogprobs(torch.autograd.Function):
             part = slice(start, start + ctx.chunk_rows)
             # The saved logits are this function's own buffer: overwrite them with their gradient.
             logits[part] = grad_fn(logits[part], lse[part], grad_logprobs[part], targets[part])
-        grad_hidden = logits @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None
+        rows, block = logits.size(0), ctx.block_rows
+        grad_hidden = grad_weight = None
+        if rows <= block:
+            if ctx.needs_input_grad[0]:
+                grad_hidden = logits @ weight
+            if ctx.needs_input_grad[1]:
+                grad_weight = logits.t() @ hidden
+            return grad_hidden, grad_weight, None, None, None, None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = torch.empty_like(hidden)
+            for start in range(0, rows, block):
+                part = slice(start, start + block)
+                torch.matmul(logits[part], weight, out=grad_hidden[part])
+        if ctx.needs_input_grad[1]:
+            total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for start in range(0, rows, block):
+                part = slice(start, start + block)
+                total += logits[part].t() @ hidden[part]
+            grad_weight = total.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_logprobs(
@@ -106,9 +132,11 @@ def linear_logprobs(
     *,
     chunk_rows: int = CHUNK_ROWS,
     compiled: bool = False,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """log softmax(hidden @ weight.T)[target] per row: hidden [tokens, h], weight [vocab, h],
-    targets [tokens] (int64) → fp32 [tokens]. See the module docstring."""
+    targets [tokens] (int64) → fp32 [tokens]. See the module docstring; `block_rows` (default:
+    the most rows under GEMM_MAX_ELEMENTS) bounds the rows of one GEMM."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
         raise ValueError(
             f"linear_logprobs: hidden [tokens, h] and weight [vocab, h] expected, got "
@@ -118,7 +146,11 @@ def linear_logprobs(
         raise ValueError(f"targets {tuple(targets.shape)} must be [tokens={hidden.size(0)}]")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return _LinearLogprobs.apply(hidden, weight, targets.long(), chunk_rows, compiled)
+    if block_rows is None:
+        block_rows = max(1, GEMM_MAX_ELEMENTS // weight.size(0))
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    return _LinearLogprobs.apply(hidden, weight, targets.long(), chunk_rows, block_rows, compiled)
 
 
 def megatron_logprobs_processor(
