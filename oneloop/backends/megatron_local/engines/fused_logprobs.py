@@ -77,6 +77,8 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk_rows, block_rows, compiled):  # type: ignore[override]
         forward_fn, _ = _kernels(compiled)
         rows = hidden.size(0)
+        blocks = -(-rows // block_rows)
+        block_rows = -(-rows // blocks)  # equal blocks: 16k rows go as 2 × 8k, not 14k + 2k
         if rows <= block_rows:
             logits = hidden @ weight.t()
         else:
