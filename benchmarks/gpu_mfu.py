@@ -58,6 +58,7 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     "all_mb8k": ("megatron", ALL, 2),
     "all_flash": ("megatron", replace(ALL, attention_backend="flash"), 4),
     "all_eager_logprobs": ("megatron", replace(ALL, compile_logprobs=False), 4),
+    "all_nocompile": ("megatron", replace(ALL, compile_logprobs=False, swiglu_fusion=False), 4),
 }
 
 
@@ -140,7 +141,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/models"))
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
-        "--time-budget-s", type=float, default=420.0, help="start no variant after this many s"
+        "--time-budget-s", type=float, default=200.0, help="start no variant after this many s"
     )
     args = parser.parse_args()
     names = [n.strip() for n in args.variants.split(",") if n.strip()]

@@ -13,8 +13,8 @@
 #                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL)
 #   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
 #   tp        (nvidia-h200-x2)       megatron engine at TP=2 vs TP=1 (tests/gpu/test_megatron_tp.py)
-#   mfu                              megatron MFU per speed switch vs baseline vs torch (~3 min;
-#                                    MFU_ARGS="--variants baseline,all" for fewer)
+#   mfu                              megatron MFU per speed switch vs baseline vs torch (~4 min;
+#                                    starts no variant after 200 s: MFU_ARGS="--time-budget-s 400")
 #   mfu_test                         speed switches on vs off: same logprobs/loss/step (0.6B)
 #   lora                             LoRA adapters as vLLM LoRA modules: engine tests (snapshots,
 #                                    logprobs vs torch merged weights, inflight swap) + Ray run
