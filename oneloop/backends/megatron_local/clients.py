@@ -365,11 +365,8 @@ class LocalServiceClient:
         sampling only); a vllm pool starts with LoRA for it, or must already serve it."""
         key = str(model_dir)
         local = self.config.local
-        if key in self._samplers:
-            check_pool_fits(local.sampler_engine, key, self._pool_lora[key], lora_rank)
-        else:
-            capacity = pool_lora_rank(local.sampler_engine, local.vllm.max_lora_rank, lora_rank)
-            check_pool_fits(local.sampler_engine, key, capacity, lora_rank)
+        capacity = self._pool_capacity(key, lora_rank)
+        if key not in self._samplers:
             self._pool_lora[key] = capacity
             actors = [
                 SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key, capacity)
@@ -383,6 +380,16 @@ class LocalServiceClient:
             context = int(AutoConfig.from_pretrained(key).max_position_embeddings)
             self._sampler_info[key] = (eos_ids, context)
         return self._samplers[key]
+
+    def _pool_capacity(self, key: str, lora_rank: int | None) -> int:
+        """The LoRA rank model `key`'s samplers serve (or will, if not started); raises when a
+        client of `lora_rank` cannot use them (`vllm_lora.check_pool_fits`)."""
+        local = self.config.local
+        capacity = self._pool_lora.get(key)
+        if capacity is None:
+            capacity = pool_lora_rank(local.sampler_engine, local.vllm.max_lora_rank, lora_rank)
+        check_pool_fits(local.sampler_engine, key, capacity, lora_rank)
+        return capacity
 
     def _sampler_actors(self) -> list[Any]:
         return [a for pool in list(self._samplers.values()) for a in pool.actors]  # a snapshot
@@ -454,7 +461,7 @@ class LocalServiceClient:
         local = self.config.local
         if serves_adapters(local.sampler_engine, lora.rank):
             check_adapter_targets(lora.train_mlp, lora.train_attn, lora.train_unembed)
-        self.sampler_pool(model_dir, lora.rank)  # refuses a rank its samplers cannot serve
+        self._pool_capacity(str(model_dir), lora.rank)  # before any actor starts
         actor = TrainerActor.options(num_gpus=local.gpus_per_trainer).remote(
             local, str(model_dir), lora
         )
@@ -481,7 +488,7 @@ class LocalServiceClient:
         self.capabilities.check(lora_rank=rank)
         model_dir = self.resolve_model(base_model)
         actor, run_id = self._start_trainer(base_model, model_dir, lora)
-        self.sampler_pool(model_dir)
+        self.sampler_pool(model_dir, lora.rank)
         return chain(
             actor.ready.remote(),
             lambda _: LocalTrainingClient(self, actor, run_id, base_model, model_dir, lora),
@@ -504,7 +511,7 @@ class LocalServiceClient:
         )
         model_dir = Path(meta["model_dir"])
         actor, run_id = self._start_trainer(meta["base_model"], model_dir, lora)
-        self.sampler_pool(model_dir)
+        self.sampler_pool(model_dir, lora.rank)
         loaded = actor.load_state.remote(str(directory), with_optimizer)
         return chain(
             loaded,
