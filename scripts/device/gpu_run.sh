@@ -18,6 +18,8 @@
 #   mfu_test                         speed switches on vs off: same logprobs/loss/step (0.6B)
 #   lora                             LoRA adapters as vLLM LoRA modules: engine tests (snapshots,
 #                                    logprobs vs torch merged weights, inflight swap) + Ray run
+#   mlora                            megatron-engine LoRA vs torch-engine LoRA (loss, logprobs,
+#                                    adapter after a step, merged weights) + LoRA save/load
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -81,5 +83,8 @@ case "$stage" in
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py -k lora \
       tests/gpu/test_vllm_lora_backend.py > "$OUT/lora.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES|^lora " "$OUT/lora.log" | tail -20; tail -30 "$OUT/lora.log" ;;
+  mlora)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py -k lora > "$OUT/mlora.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/mlora.log" | tail -20; tail -30 "$OUT/mlora.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
