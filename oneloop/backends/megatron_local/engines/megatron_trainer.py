@@ -8,6 +8,9 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   and exported through `megatron_layout` (our mapping; round-trip tested). TransformerEngine's layer
   spec when TE imports, else Megatron's local spec with the core attention swapped for torch SDPA
   (the stock local attention materialises the s×s scores: 2.8× slower at seq 4096 on an H200).
+- Speed without TE (`megatron_speed.MegatronSpeed`, measured by benchmarks/gpu_mfu.py): target
+  logprobs from the hidden states (`fused_logprobs`, no fp32 full-vocab logits), bf16 norms,
+  SwiGLU fusion, fused AdamW, SDPA backend choice, opt-in RoPE fusion.
 - Parallelism: one object is one rank. TP > 1: `megatron_group.MegatronGroupEngine` starts the
   other ranks and drives them, `megatron_tp.MegatronTpRank` (this class plus the shard maps) is each
   rank. PP, CP and EP > 1 are refused with the reason (`REFUSED_PARALLEL`).
