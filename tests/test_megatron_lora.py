@@ -107,3 +107,20 @@ def test_lora_refuses_tensor_parallel_and_empty_targets() -> None:
         megatron_lora.inject(torch.nn.Module(), shape, nothing, tp=1, base_model_path="")
     assert megatron_lora.is_lora_name("decoder.layers.0.mlp.linear_fc1.lora.lora_A.gate_proj")
     assert not megatron_lora.is_lora_name("decoder.layers.0.mlp.linear_fc1.weight")
+
+
+def test_local_backend_offers_megatron_lora_at_tp_1_only() -> None:
+    from oneloop.backends import capabilities
+    from oneloop.backends.config import parse_backend_config
+
+    for tp in (1, 2):
+        config = parse_backend_config(
+            {"backend": "local", "local": {"trainer_engine": "megatron", "megatron": {"tp": tp}}}
+        )
+        table = capabilities(config)
+        if tp == 1:
+            table.check(lora_rank=16)
+        else:
+            with pytest.raises(CapabilityError, match="LoRA"):
+                table.check(lora_rank=16)
+        table.check(lora_rank=0)

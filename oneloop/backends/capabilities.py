@@ -76,17 +76,19 @@ def local_capabilities(
     models: Iterable[str] = (),
     trainer_engine: str = "torch",
     sampler_engine: str = "torch",
+    megatron_tp: int = 1,
 ) -> Capabilities:
     """The local Ray backend: every built-in loss; both sampler kinds and LoRA with the torch
     engines. The vllm engine holds one live weight set, so only `inflight` clients (a snapshot
-    would evict the weights in-flight clients sample from); the megatron engine trains fully."""
+    would evict the weights in-flight clients sample from); the megatron engine trains LoRA at
+    TP = 1 only (`megatron_lora`: its adapters are not tensor-parallel)."""
     return Capabilities(
         backend="local",
         losses=BUILTIN_LOSSES,
         sampler_kinds=frozenset(
             {"inflight"} if sampler_engine == "vllm" else {"snapshot", "inflight"}
         ),
-        lora=trainer_engine != "megatron",
+        lora=trainer_engine != "megatron" or megatron_tp == 1,
         full_finetune=True,
         max_lora_rank=max_lora_rank,
         models=frozenset(models),
