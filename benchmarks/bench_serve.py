@@ -27,7 +27,11 @@ Measures, in one run on the same machine and backend:
   The SDK's halves are the unmodified SDK's code: this project cannot change them.
 
 Both paths drive twin models (same base model, LoRA rank and seed); runs alternate, and which
-path goes first alternates too. Medians are reported.
+path goes first alternates too. Medians are reported; codec figures by wall clock and, in
+brackets, by the thread's CPU time (the machine may be shared: wall time then also counts the
+waits for a core). `--http httptools,h11` starts one server per uvicorn HTTP parser and times
+their `sample` calls in one run (rotating order), each against the same in-process calls; a
+sample ratio is given as median over median and as the median of per-repeat ratios.
 Usage: `python benchmarks/bench_serve.py [--tokens N] [--repeats R] [--json out.json]`;
 `--codec-only` times only the codecs (no server, no training), on a `ForwardBackwardOutput` and
 `SampleResponse`s built by the local backend's own converters from arrays of the same shapes;
@@ -38,7 +42,9 @@ on the per-call overhead (use `--repeats 20` or more: one call is ~0.2 s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -106,9 +112,18 @@ def train_step(client: Any, data: list[types.Datum]) -> types.ForwardBackwardOut
     return out
 
 
-def median_s(fn: Callable[[], Any], repeats: int) -> float:
+def median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median wall seconds and median thread CPU seconds of `fn`, after a warm-up call (on a
+    shared machine the wall time also counts the time the call waited for a core)."""
     fn()  # warm-up
-    return statistics.median(timed(fn)[0] for _ in range(repeats))
+    wall: list[float] = []
+    cpu: list[float] = []
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        fn()
+        cpu.append(time.thread_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutput,
@@ -133,7 +148,7 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
 
     out_tokens = sum(o["logprobs"].to_numpy().size for o in output.loss_fn_outputs)
     out_body = encode_forward_backward_output(output)
-    seconds = {
+    timings = {
         "request/sdk_encode": median_s(
             lambda: forward_backward_request_to_proto(request).SerializeToString(), repeats),
         "request/serve_decode": median_s(lambda: decode_forward_backward(body), repeats),
@@ -152,11 +167,14 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
         count[label] = sum(len(s.tokens_np if s.tokens_np is not None else s.tokens)
                            for s in sample.sequences)
         sizes[f"codec/{label}_bytes"] = len(sample_body)
-        seconds[f"{label}/serve_encode"] = median_s(
+        timings[f"{label}/serve_encode"] = median_s(
             lambda s=sample: encode_sample_response(s), repeats)
-        seconds[f"{label}/sdk_decode"] = median_s(
+        timings[f"{label}/sdk_decode"] = median_s(
             lambda b=sample_body: deserialize_sample_response(b), repeats)
+    seconds = {k: wall for k, (wall, _) in timings.items()}
+    cpu = {k: cpu_s for k, (_, cpu_s) in timings.items()}
     rates = {f"codec/{k}_tokens_per_s": count[k.split("/")[0]] / s for k, s in seconds.items()}
+    rates |= {f"codec/{k}_cpu_tokens_per_s": count[k.split("/")[0]] / c for k, c in cpu.items()}
     trips = [("request", "sdk_encode", "serve_decode"), ("output", "serve_encode", "sdk_decode")]
     trips += [(label, "serve_encode", "sdk_decode") for label in samples]
     for message, enc, dec in trips:
@@ -178,15 +196,20 @@ def to_engine(body: bytes) -> list[DatumArrays]:
 
 
 def print_codec(results: dict[str, Any]) -> None:
-    """One line per codec half and round trip: tokens/s beside the goal."""
+    """One line per codec half and round trip: tokens/s (wall clock; thread CPU time in
+    brackets, where timed) beside the goal."""
     goal = GOAL_CODEC_TOKENS_PER_S
     print(f"protobuf codec, tokens per message {results['codec/tokens']}, goal >= "
-          f"{goal / 1e6:.0f} M tokens/s")  # fmt: skip
+          f"{goal / 1e6:.0f} M tokens/s (wall; [thread CPU]); load average "
+          f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     for key, value in results.items():
-        if key.startswith("codec/") and key.endswith("_tokens_per_s") and "goal" not in key:
+        if (key.startswith("codec/") and key.endswith("_tokens_per_s") and "goal" not in key
+                and not key.endswith("_cpu_tokens_per_s")):  # fmt: skip
             name = key.removeprefix("codec/").removesuffix("_tokens_per_s")
             side = "ours" if "serve" in name else "SDK " if "sdk" in name else "both"
-            print(f"  {name:46s} [{side}] {value / 1e6:9.1f} M tokens/s  "
+            cpu = results.get(f"codec/{name}_cpu_tokens_per_s")
+            cpu_text = f"[{cpu / 1e6:7.1f}]" if cpu is not None else " " * 9
+            print(f"  {name:46s} [{side}] {value / 1e6:9.1f} {cpu_text} M tokens/s  "
                   f"{'meets' if value >= goal else 'misses'} the goal ({value / goal:.2f}x)")
 
 
@@ -248,43 +271,51 @@ def sample_messages(
     }  # fmt: skip
 
 
-def sample_paths(args: argparse.Namespace, via_serve: Any, in_process: Any
+def sample_paths(args: argparse.Namespace, via_serve: dict[str, Any], in_process: Any
                  ) -> tuple[dict[str, Any], types.SampleResponse]:
     """`--repeats` timed `sample` calls of `--num-samples` x `--max-tokens` per path, interleaved
-    (which path goes first alternates); medians, ratio, and the in-process response."""
+    (the order rotates every repeat); medians, ratios, and the in-process response.
+    `via_serve` maps a label (`serve`, or `serve_<parser>` with two `--http` parsers) to a
+    training client through that server. Each ratio is reported two ways: median over median,
+    and the median of the per-repeat ratios (each serve call over the in-process call of the
+    same repeat, so load that drifts between repeats cancels out)."""
     prompt = types.ModelInput.from_ints(list(range(300, 332)))
     params = types.SamplingParams(max_tokens=args.max_tokens, seed=0, stop=[])
     kind = args.sampler_kind
-    sampler_serve = via_serve.save_weights_and_get_sampling_client(kind=kind).result(
-        timeout=TIMEOUT_S)
-    sampler_local = in_process.save_weights_and_get_sampling_client(kind=kind).result(
-        timeout=TIMEOUT_S)
-    for sampler in (sampler_serve, sampler_local):  # warm-up
+    clients = {**via_serve, "in_process": in_process}
+    samplers = {name: client.save_weights_and_get_sampling_client(kind=kind).result(
+        timeout=TIMEOUT_S) for name, client in clients.items()}  # fmt: skip
+    for sampler in samplers.values():  # warm-up
         for _ in range(2):
             sampler.sample(prompt, args.num_samples, params).result(timeout=TIMEOUT_S)
-    sample_serve: list[float] = []
-    sample_local: list[float] = []
+    times: dict[str, list[float]] = {name: [] for name in samplers}
+    names = list(samplers)
     response = None  # the in-process result: what the server encodes
     for repeat in range(args.repeats):
-        pairs = ((sampler_serve, sample_serve), (sampler_local, sample_local))
-        for sampler, times in pairs if repeat % 2 == 0 else pairs[::-1]:
-            seconds, out = timed(lambda s=sampler: s.sample(
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds, out = timed(lambda s=samplers[name]: s.sample(
                 prompt, args.num_samples, params).result(timeout=TIMEOUT_S))
-            times.append(seconds)
-            if sampler is sampler_local:
+            times[name].append(seconds)
+            if name == "in_process":
                 response = out
     assert response is not None
     med = statistics.median
-    return {
-        "sample_s_serve": med(sample_serve),
-        "sample_s_in_process": med(sample_local),
-        "sample_ratio_serve_over_in_process": med(sample_serve) / med(sample_local),
-        "sample_overhead_s_serve_minus_in_process": med(sample_serve) - med(sample_local),
-        "sample_s_runs": {"serve": sample_serve, "in_process": sample_local},
-        "num_samples": args.num_samples,
-        "sample_max_tokens": args.max_tokens,
-        "sampler_kind": kind,
-    }, response
+    local = times["in_process"]
+    results: dict[str, Any] = {"sample_s_in_process": med(local)}
+    for name in via_serve:
+        suffix = name.removeprefix("serve")  # "" or "_<parser>"
+        results.update({
+            f"sample_s_serve{suffix}": med(times[name]),
+            f"sample_ratio_serve_over_in_process{suffix}": med(times[name]) / med(local),
+            f"sample_ratio_paired_median{suffix}": med(
+                [a / b for a, b in zip(times[name], local, strict=True)]),
+            f"sample_overhead_s_serve_minus_in_process{suffix}": med(times[name]) - med(local),
+        })  # fmt: skip
+    results.update({"sample_s_runs": times, "num_samples": args.num_samples,
+                    "sample_max_tokens": args.max_tokens, "sampler_kind": kind,
+                    "http": args.http})  # fmt: skip
+    return results, response
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -311,6 +342,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mode.add_argument("--sample-only", action="store_true",
                       help="time only the `sample` call through serve vs in process (no training "
                            "steps, no codec); use a larger --repeats")
+    parser.add_argument("--http", default="httptools",
+                        help="uvicorn HTTP parser(s) of the server: httptools | h11 | "
+                             "httptools,h11 (two servers, both timed in one run; training "
+                             "steps use the first)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.codec_sample_shapes)
@@ -323,10 +358,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     backend = connect(BackendConfig(backend="local", run_dir=tempfile.mkdtemp(prefix="bench_")))
     results: dict[str, Any] = {"repeats": args.repeats}
-    with ServerThread(ServeConfig(port=0), backend) as server:
-        sdk = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench-loopback")
-        via_serve = sdk.create_lora_training_client(args.model, rank=8, seed=0).result(
-            timeout=TIMEOUT_S)
+    parsers = args.http.split(",")
+    if not set(parsers) <= {"httptools", "h11"} or len(set(parsers)) != len(parsers):
+        raise SystemExit(f"--http: expected httptools, h11 or httptools,h11, got {args.http!r}")
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(ServerThread(ServeConfig(port=0, http=p), backend))
+                   for p in parsers]  # type: ignore[arg-type]  # fmt: skip
+        sdks = [tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench-loopback")
+                for server in servers]  # fmt: skip
+        serve_clients = {
+            ("serve" if len(parsers) == 1 else f"serve_{p}"):
+            sdk.create_lora_training_client(args.model, rank=8, seed=0).result(timeout=TIMEOUT_S)
+            for p, sdk in zip(parsers, sdks, strict=True)
+        }  # fmt: skip
+        via_serve = next(iter(serve_clients.values()))
         in_process = backend.create_lora_training_client(args.model, rank=8, seed=0).result(
             timeout=TIMEOUT_S)
         if not args.sample_only:
@@ -352,9 +397,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "train_step_ratio_serve_over_in_process": med(step_serve) / med(step_local),
                 "train_step_s_runs": {"serve": step_serve, "in_process": step_local},
             })
-        sampled, sample_response = sample_paths(args, via_serve, in_process)
+        sampled, sample_response = sample_paths(args, serve_clients, in_process)
         results.update(sampled)
-        sdk.close("success").result(timeout=60)
+        for sdk in sdks:
+            sdk.close("success").result(timeout=60)
     backend.close()
     print(json.dumps(results, indent=2))
     if not args.sample_only:

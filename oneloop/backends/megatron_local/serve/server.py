@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -73,6 +73,9 @@ class ServeConfig(BaseModel):
     """Longest a client may take to send a request body, in seconds (then 408)."""
     gap_timeout_s: float = Field(default=600.0, gt=0)
     """How long a request waits for a missing earlier seq_id before failing, in seconds."""
+    http: Literal["httptools", "h11"] = "httptools"
+    """uvicorn's HTTP/1.1 parser: `httptools` (C, a dependency; the default) or `h11` (pure
+    Python, uvicorn's fallback), chosen here rather than by what happens to be installed."""
 
 
 def make_asgi(config: ServeConfig, backend: Any) -> tuple[GuardMiddleware, ServeService]:
@@ -106,7 +109,8 @@ def _uvicorn(config: ServeConfig, backend: Any) -> tuple[uvicorn.Server, ServeSe
     asgi, service = make_asgi(config, backend)
     server = uvicorn.Server(
         uvicorn.Config(asgi, host=config.host, port=config.port, log_level="warning",
-                       access_log=False, lifespan="on", timeout_keep_alive=75)
+                       access_log=False, lifespan="on", timeout_keep_alive=75,
+                       http=config.http)
     )
     return server, service
 
