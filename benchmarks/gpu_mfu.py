@@ -201,6 +201,8 @@ def main() -> None:
         entry["wall_s"] = round(time.perf_counter() - t0, 1)
         del engine
         release()
+        # what the variant left allocated (0 unless something still holds its engine)
+        entry["left_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         results["variants"][name] = entry
         print("RESULT " + json.dumps({name: entry}), flush=True)
         if os.environ.get("OUT"):
