@@ -125,6 +125,32 @@ def measure(engine, data, steps: int, warmup: int) -> tuple[dict, list[np.ndarra
     }, first_lp
 
 
+def profile_step(engine, data, top: int) -> dict:
+    """One more warm step under the CUDA profiler: total device time and the `top` kernels by
+    self device time (what to fuse next)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.forward_backward(data, "cross_entropy", None, forward_only=False)
+        engine.optim_step(ADAM)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total_us = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {
+        "device_ms": round(total_us / 1e3, 1),
+        "top": [
+            {
+                "name": e.key[:120],
+                "ms": round(e.self_device_time_total / 1e3, 2),
+                "share": round(e.self_device_time_total / total_us, 4),
+                "calls": e.count,
+            }
+            for e in events[:top]
+        ],
+    }
+
+
 def release() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -140,6 +166,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/models"))
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--profile", default="baseline,all", help="variants to profile one extra step of"
+    )
     parser.add_argument(
         "--time-budget-s", type=float, default=200.0, help="start no variant after this many s"
     )
@@ -185,6 +214,11 @@ def main() -> None:
             entry.update(timing)
             entry["tokens_per_s"] = round(tps)
             entry["mfu"] = round(fpt * tps / PEAK_FLOPS, 4)
+            if name in args.profile.split(","):
+                try:
+                    entry["profile"] = profile_step(engine, data, top=25)
+                except Exception as exc:  # the profiler (CUPTI) missing is no reason to stop
+                    entry["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             if name == "baseline":
                 baseline_lp = first_lp
             elif baseline_lp is not None:
@@ -220,6 +254,14 @@ def main() -> None:
         print(f"{name:<22}{e['tokens_per_s']:>9}{e['mfu']:>8.3f}{ratio:>8.3f}"
               f"{e['forward_backward_s']:>8.3f}{e['optim_step_s']:>8.3f}{e['max_mem_gib']:>7.1f}"
               f"{gap:>11.4f}")  # fmt: skip
+    for name, e in results["variants"].items():
+        prof = e.get("profile", {})
+        if "top" in prof:
+            print(
+                f"profile {name}: {prof['device_ms']} ms of device time in one step; top kernels:"
+            )
+            for k in prof["top"][:15]:
+                print(f"  {k['ms']:>8.2f} ms {k['share']:>6.1%} x{k['calls']:<5} {k['name'][:90]}")
     results["total_s"] = round(time.perf_counter() - started, 1)
     print("RESULT " + json.dumps({"summary": results}), flush=True)
     if os.environ.get("OUT"):
