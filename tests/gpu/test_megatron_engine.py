@@ -226,7 +226,8 @@ def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
         figures["after_step"]["logprob_abs_diff_mean"]
         < 0.2 * figures["after_step"]["logprob_shift_mean"]
     )
-    assert figures["after_step"]["merged_hf_logprob_abs_diff_mean"] < 0.02
+    # The HF model holds W + ΔW rounded to bf16 once more than the engine's W·x + ΔW·x path.
+    assert figures["after_step"]["merged_hf_logprob_abs_diff_mean"] < 0.03
 
 
 def test_lora_save_and_load_state_restores_adapter_and_optimizer(lora_engines, tmp_path) -> None:
