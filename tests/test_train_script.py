@@ -56,8 +56,9 @@ LORA = "model.lora_rank=8"
     [
         # Thinking Machines' service trains LoRA only; demo-cpu fine-tunes fully (rank 0).
         (TINKER_SERVICE, [], "inflight", "model.lora_rank"),
-        # The vllm sampler holds one live weight set: inflight clients only.
-        (local_capabilities(64, sampler_engine="vllm"), [LORA], "snapshot", "algo.sampler_kind"),
+        # The vllm sampler holds one live set of full weights: inflight clients only (LoRA runs
+        # get snapshots too, each version its own LoRA module).
+        (local_capabilities(64, sampler_engine="vllm"), [], "snapshot", "algo.sampler_kind"),
         # A Tinker-compatible server that implements fewer losses than Tinker's built-ins.
         (
             replace(TINKER_SERVICE, losses=frozenset({"cross_entropy"})),
@@ -78,6 +79,13 @@ def test_unsupported_knob_names_the_dotted_path(row, overrides, kind, path):
     cfg = load_config("demo-cpu", overrides)
     with pytest.raises(CapabilityError, match=f"^{re.escape(path)}: "):
         check_capabilities(row, cfg, kind)
+
+
+def test_lora_runs_get_snapshots_on_vllm_full_fine_tuning_does_not():
+    row = local_capabilities(64, sampler_engine="vllm")
+    check_capabilities(row, load_config("demo-cpu", [LORA]), "snapshot")
+    with pytest.raises(CapabilityError, match="full fine-tuning run"):
+        check_capabilities(row, load_config("demo-cpu", []), "snapshot")
 
 
 @pytest.mark.timeout(300)

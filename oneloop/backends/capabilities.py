@@ -27,6 +27,8 @@ class Capabilities:
     """Whether `sample` returns per-token logprobs of sampled tokens."""
     models: frozenset[str] = field(default_factory=frozenset)
     """Known base models; empty = not enumerable (any name is tried)."""
+    full_finetune_sampler_kinds: frozenset[str] | None = None
+    """Sampler kinds of full fine-tuning runs when fewer than `sampler_kinds` (None = the same)."""
 
     def check(
         self,
@@ -48,6 +50,14 @@ class Capabilities:
                 f"sampler kind {sampler_kind!r} is not supported by backend {self.backend!r}; "
                 f"supported: {sorted(self.sampler_kinds)}"
             )
+        full_kinds = self.full_finetune_sampler_kinds
+        if sampler_kind is not None and lora_rank == 0 and full_kinds is not None:
+            if sampler_kind not in full_kinds:
+                raise CapabilityError(
+                    f"sampler kind {sampler_kind!r} of a full fine-tuning run (lora_rank=0) is not "
+                    f"supported by backend {self.backend!r}; supported: {sorted(full_kinds)} "
+                    f"(LoRA runs: {sorted(self.sampler_kinds)})"
+                )
         if lora_rank is not None:
             if lora_rank < 0:
                 raise CapabilityError(
@@ -79,15 +89,15 @@ def local_capabilities(
     megatron_tp: int = 1,
 ) -> Capabilities:
     """The local Ray backend: every built-in loss; both sampler kinds and LoRA with the torch
-    engines. The vllm engine holds one live weight set, so only `inflight` clients (a snapshot
-    would evict the weights in-flight clients sample from); the megatron engine trains LoRA at
-    TP = 1 only (`megatron_lora`: its adapters are not tensor-parallel)."""
+    engines. The vllm engine holds one live set of full weights, so full fine-tuning runs get
+    `inflight` clients only (a snapshot would evict the weights in-flight clients sample from);
+    LoRA runs on vllm get both, each version being its own LoRA module (`vllm_lora`). The megatron
+    engine trains LoRA at TP = 1 only (`megatron_lora`: its adapters are not tensor-parallel)."""
     return Capabilities(
         backend="local",
         losses=BUILTIN_LOSSES,
-        sampler_kinds=frozenset(
-            {"inflight"} if sampler_engine == "vllm" else {"snapshot", "inflight"}
-        ),
+        sampler_kinds=frozenset({"snapshot", "inflight"}),
+        full_finetune_sampler_kinds=frozenset({"inflight"}) if sampler_engine == "vllm" else None,
         lora=trainer_engine != "megatron" or megatron_tp == 1,
         full_finetune=True,
         max_lora_rank=max_lora_rank,

@@ -29,6 +29,8 @@ class ModelConfig(_Strict):
     """LoRA rank; 0 = full fine-tuning (local backend only)."""
     seed: int = 0
     """LoRA initialisation seed."""
+    train_unembed: bool = True
+    """LoRA on the LM head too (Tinker's default); the vllm sampler cannot serve it: set false."""
 
 
 class DemoTasksConfig(_Strict):

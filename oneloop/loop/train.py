@@ -128,7 +128,10 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     else:
         trainer = await asyncio.wait_for(
             service.create_lora_training_client(
-                cfg.model.base_model, rank=cfg.model.lora_rank, seed=cfg.model.seed
+                cfg.model.base_model,
+                rank=cfg.model.lora_rank,
+                seed=cfg.model.seed,
+                train_unembed=cfg.model.train_unembed,
             ),
             cfg.timeouts.sync_s,
         )
@@ -154,8 +157,8 @@ def check_capabilities(caps: Capabilities, cfg: TrainConfig, kind: str) -> None:
     knobs: list[tuple[str, dict[str, Any]]] = [
         ("algo.loss_fn", {"loss_fns": [cfg.algo.loss_fn]}),
         ("sft", {"loss_fns": ["cross_entropy"] if cfg.sft else []}),  # the warm start's loss
-        ("algo.sampler_kind", {"sampler_kind": kind}),
         ("model.lora_rank", {"lora_rank": cfg.model.lora_rank}),
+        ("algo.sampler_kind", {"sampler_kind": kind, "lora_rank": cfg.model.lora_rank}),
         ("model.base_model", {"base_model": cfg.model.base_model}),
     ]
     for path, knob in knobs:
