@@ -31,12 +31,17 @@ BODIES = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def backend(tmp_path_factory):
     backend = connect(BackendConfig(backend="local", run_dir=tmp_path_factory.mktemp("hot"),
                                     local={"torch_threads": 1}))  # fmt: skip
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def server(backend):
     with ServerThread(ServeConfig(port=0, long_poll_s=1.0), backend) as thread:
         yield thread
-    backend.close()
 
 
 def _answer(response: httpx.Response) -> tuple[int, bytes, str | None, str | None]:
@@ -65,3 +70,20 @@ def test_other_methods_on_hot_paths_reach_fastapi(server):
         assert client.get("/asample").status_code == 405
         assert client.put("/retrieve_future", content=b"{}").status_code == 405
         assert client.get("/healthz").status_code == 200
+
+
+def test_the_configured_http_parser_is_the_one_serving(server, backend):
+    """`ServeConfig.http` picks uvicorn's parser (httptools by default, h11 on request), and
+    both answer the hot routes alike."""
+    assert server._server.config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    headers = {"content-type": "application/json"}
+    with ServerThread(ServeConfig(port=0, long_poll_s=1.0, http="h11"), backend) as h11:
+        assert h11._server.config.http_protocol_class.__name__ == "H11Protocol"
+        for route, bodies in BODIES.items():
+            for body in bodies:
+                answers = []
+                for thread in (server, h11):
+                    with httpx.Client(base_url=f"{thread.base_url}/api/v1", timeout=30) as c:
+                        answers.append(_answer(c.post(f"/{route}", content=body,
+                                                      headers=headers)))  # fmt: skip
+                assert answers[0] == answers[1], (route, body)
