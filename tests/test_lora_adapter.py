@@ -91,3 +91,18 @@ def test_full_fine_tuning_has_no_adapter(tiny_model_path) -> None:
     engine = TorchTrainerEngine(tiny_model_path, LoraSpec(0), threads=1)
     with pytest.raises(ValueError, match="rank 0"):
         engine.adapter()
+
+
+def test_bfloat16_sampler_weights_are_exact_float32(tiny_model_path):
+    """numpy has no bfloat16: a bf16 trainer hands its sampler float32 copies of the same values."""
+    for rank in (0, 4):
+        engine = TorchTrainerEngine(tiny_model_path, LoraSpec(rank, seed=0), dtype="bfloat16")
+        weights = engine.sampler_weights()
+        assert {w.dtype for w in weights.values()} == {np.dtype(np.float32)}
+        for name, tensor in engine.model.get_base_model().state_dict().items() if rank else (
+            engine.model.state_dict().items()
+        ):
+            if "lora_" in name or "base_layer" in name:
+                continue
+            assert np.array_equal(weights[name], tensor.float().numpy()), name
+            assert torch.equal(torch.from_numpy(weights[name]).bfloat16(), tensor)

@@ -188,7 +188,7 @@ class TorchTrainerEngine(TrainerEngine):
 
     def sampler_weights(self) -> dict[str, np.ndarray]:
         if self.lora.rank == 0:
-            return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+            return {k: _to_numpy(v) for k, v in self.model.state_dict().items()}
         from peft.tuners.lora import LoraLayer
 
         base = self.model.get_base_model()
@@ -198,13 +198,13 @@ class TorchTrainerEngine(TrainerEngine):
                 if isinstance(module, LoraLayer):
                     weight = module.get_base_layer().weight
                     delta = module.get_delta_weight("default")
-                    merged[f"{name}.weight"] = (weight + delta).cpu().numpy()
+                    merged[f"{name}.weight"] = _to_numpy(weight + delta)
             for name, tensor in base.state_dict().items():
                 if "lora_" in name:
                     continue
                 clean = name.replace(".base_layer", "")
                 if clean not in merged:
-                    merged[clean] = tensor.detach().cpu().numpy().copy()
+                    merged[clean] = _to_numpy(tensor)
         return merged
 
     def adapter(self) -> LoraAdapter:
@@ -247,3 +247,11 @@ class TorchTrainerEngine(TrainerEngine):
         if with_optimizer and optimizer_file.is_file():
             self.optimizer = torch.optim.AdamW(self.params)
             self.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU numpy copy; bfloat16 (which numpy lacks) as float32, which holds it exactly."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.cpu().numpy().copy()
