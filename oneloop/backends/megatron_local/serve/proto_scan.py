@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import repeat
-from operator import sub
+from operator import itemgetter, sub
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -325,7 +325,7 @@ def _ragged_batch(
     view = memoryview(body)
     ends = offsets + t[:, None] * itemsizes
     cuts = map(slice, offsets.T.ravel().tolist(), ends.T.ravel().tolist())
-    views = list(map(view.__getitem__, cuts))
+    views = itemgetter(*cuts)(view)  # a tuple of slices (itemgetter: no per-item iterator step)
     tokens = np.frombuffer(b"".join(views[:count]), np.int32)
     fields = {
         name: np.frombuffer(
@@ -373,9 +373,10 @@ def _datum_arrays(
         columns = [list(tokens), list(targets), *(list(v) for v in fields.values())]
     else:
         ends = np.cumsum(lengths).tolist()
-        cuts = list(map(slice, [0, *ends[:-1]], ends))
-        columns = [list(map(flat.__getitem__, cuts))
-                   for flat in (tokens, targets, *fields.values())]  # fmt: skip
+        views = itemgetter(*map(slice, [0, *ends[:-1]], ends))
+        columns = [views(flat) for flat in (tokens, targets, *fields.values())]
+        if len(lengths) == 1:  # itemgetter of one item gives the item, not a tuple
+            columns = [[column] for column in columns]
     if len(names) == 1:
         name = names[0]
         states = [
