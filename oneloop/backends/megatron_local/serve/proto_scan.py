@@ -266,23 +266,35 @@ def _arrays(
         tokens, fields, lengths = _ragged_batch(body, records, layout) or _ragged(
             body, records, expected
         )
-    if tokens.size and tokens.min() < 0:
-        raise _Other  # the reference path names the datum and chunk
-    for name, values in fields.items():
-        if name == _TARGET:
-            if values.size and values.min() < 0:
-                raise _Other
-        elif not np.isfinite(values).all():
+    return _datum_arrays(tokens, fields, lengths), int(tokens.size)
+
+
+def _checked_tokens(ids: np.ndarray) -> np.ndarray:
+    """The int32 token ids as int64, if all are >= 0 (the reference path names the datum and
+    chunk of a negative one)."""
+    if ids.size and ids.min() < 0:
+        raise _Other
+    return ids.astype(np.int64)
+
+
+def _checked(name: bytes, values: np.ndarray) -> np.ndarray:
+    """An input's values over the batch, if the reference accepts them: targets >= 0, the
+    loss's float inputs finite. Each path checks a field right after it copies it (while it is
+    still in cache)."""
+    if name == _TARGET:
+        if values.size and values.min() < 0:
             raise _Other
-    return _datum_arrays(tokens.astype(np.int64), fields, lengths), int(tokens.size)
+    elif not np.isfinite(values).all():
+        raise _Other
+    return values
 
 
 def _uniform(
     body: bytes, base: int, count: int, layout: _Layout, width: int
 ) -> tuple[np.ndarray, dict[bytes, np.ndarray]] | None:
-    """Tokens (datums, T) int32 and each input (datums, T), for `count` records of one byte
-    `width` laid end to end from `base`, if every record's framing bytes equal the first's
-    (else None)."""
+    """Tokens (datums, T) int64 and each input (datums, T), checked, for `count` records of
+    one byte `width` laid end to end from `base`, if every record's framing bytes equal the
+    first's (else None)."""
     rows = np.frombuffer(body, np.uint8, count=count * width, offset=base)
     rows = rows.reshape(count, width)
     chunks, inputs = layout
@@ -296,10 +308,10 @@ def _uniform(
     if not (heads[1:] == heads[0]).all():
         return None
     parts = [rows[:, at - base : at - base + size].view(np.int32) for at, size in chunks]
-    tokens = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    tokens = _checked_tokens(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
     fields = {
-        name: rows[:, at - base : at - base + size].view(
-            np.int64 if dtype == _INT64 else np.float32).copy()
+        name: _checked(name, rows[:, at - base : at - base + size].view(
+            np.int64 if dtype == _INT64 else np.float32).copy())
         for name, dtype, at, size, _ in inputs
     }  # fmt: skip
     return tokens, fields
@@ -326,22 +338,22 @@ def _ragged_batch(
     ends = offsets + t[:, None] * itemsizes
     cuts = map(slice, offsets.T.ravel().tolist(), ends.T.ravel().tolist())
     views = itemgetter(*cuts)(view)  # a tuple of slices (itemgetter: no per-item iterator step)
-    tokens = np.frombuffer(b"".join(views[:count]), np.int32)
+    tokens = _checked_tokens(np.frombuffer(b"".join(views[:count]), np.int32))
     fields = {
-        name: np.frombuffer(
+        name: _checked(name, np.frombuffer(
             bytearray().join(views[(i + 1) * count : (i + 2) * count]),  # one copy, writable
             np.int64 if dtype == _INT64 else np.float32,
-        )
+        ))
         for i, (name, dtype, *_) in enumerate(inputs)
-    }
+    }  # fmt: skip
     return tokens, fields, t
 
 
 def _ragged(
     body: bytes, records: _Records, expected: dict[bytes, int]
 ) -> tuple[np.ndarray, dict[bytes, np.ndarray], list[int] | np.ndarray]:
-    """Tokens int32 and each input, all datums joined (datum by datum), and each datum's
-    length."""
+    """Tokens int64 and each input, checked, all datums joined (datum by datum), and each
+    datum's length."""
     view = memoryview(body)
     token_parts: list[memoryview] = []
     parts: dict[bytes, list[memoryview]] = {name: [] for name in expected}
@@ -353,10 +365,10 @@ def _ragged(
             token_parts.append(view[at : at + size])
         for name, _, at, size, _ in layout[1]:
             parts[name].append(view[at : at + size])
-    tokens = np.frombuffer(b"".join(token_parts), np.int32)
+    tokens = _checked_tokens(np.frombuffer(b"".join(token_parts), np.int32))
     fields = {
-        name: np.frombuffer(bytearray().join(p), np.int64 if expected[name] == _INT64
-                            else np.float32)  # a bytearray join: one copy, writable
+        name: _checked(name, np.frombuffer(bytearray().join(p), np.int64
+                       if expected[name] == _INT64 else np.float32))  # one copy, writable
         for name, p in parts.items()
     }  # fmt: skip
     return tokens, fields, lengths
