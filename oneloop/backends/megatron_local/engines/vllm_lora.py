@@ -64,8 +64,10 @@ def check_adapter_targets(train_mlp: bool, train_attn: bool, train_unembed: bool
     if train_unembed:
         raise CapabilityError(
             "train_unembed=True: local.sampler_engine=vllm serves LoRA runs as vLLM LoRA modules, "
-            "and vLLM 0.26 has no LoRA on lm_head for Qwen3/Llama; create the training client "
-            "with train_unembed=False, or use local.sampler_engine=torch"
+            "and vLLM 0.26's lm_head LoRA is not verified against the trainer (it loads and "
+            "changes logprobs; parity on tied embeddings is untested); create the training client "
+            "with train_unembed=False (loop: model.train_unembed=false), or use "
+            "local.sampler_engine=torch"
         )
     if not (train_mlp or train_attn):
         raise CapabilityError("LoRA on vllm needs train_mlp or train_attn")
