@@ -78,7 +78,7 @@ def test_megatron_matches_torch_engine(engines) -> None:
     diffs = torch.cat([(after_m[k] - after_t[k]).abs().flatten() for k in after_t])
     upd_m = torch.cat([(after_m[k] - before[k]).flatten() for k in after_t])
     upd_t = torch.cat([(after_t[k] - before[k]).flatten() for k in after_t])
-    cosine = float(torch.nn.functional.cosine_similarity(upd_m, upd_t, dim=0))
+    cosine = float(torch.nn.functional.cosine_similarity(upd_m.double(), upd_t.double(), dim=0))
     figures["optim_step"] = {
         "grad_norm_megatron": step_m["grad_norm:mean"],
         "grad_norm_torch": step_t["grad_norm:mean"],
@@ -187,7 +187,9 @@ def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
         "grad_norm_torch": step_t["grad_norm:mean"],
         "adapter_abs_diff_max": float((after_m - after_t).abs().max()),
         "adapter_abs_diff_mean": float((after_m - after_t).abs().mean()),
-        "update_cosine": float(torch.nn.functional.cosine_similarity(upd_m, upd_t, dim=0)),
+        "update_cosine": float(
+            torch.nn.functional.cosine_similarity(upd_m.double(), upd_t.double(), dim=0)
+        ),
         "update_abs_mean_megatron": float(upd_m.abs().mean()),
     }
     # With the adapters active (B != 0): each engine's own stepped adapter, same tokens.

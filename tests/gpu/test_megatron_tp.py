@@ -123,7 +123,8 @@ def test_tp2_matches_tp1(tp1, tp2) -> None:
         assert figures[loss]["loss_abs_diff_per_token"] < 0.01
         assert figures[loss]["logprob_abs_diff_mean"] < 0.02
     before = got["before"]
-    after_2, after_1 = got["after"], {k: v.float() for k, v in tp1["after"].items()}
+    after_2 = {k: v.float() for k, v in got["after"].items()}
+    after_1 = {k: v.float() for k, v in tp1["after"].items()}
     diffs = torch.cat([(after_2[k] - after_1[k]).abs().flatten() for k in after_1])
     upd_2 = torch.cat([(after_2[k] - before[k]).flatten() for k in after_1])
     upd_1 = torch.cat([(after_1[k] - before[k]).flatten() for k in after_1])
@@ -133,7 +134,10 @@ def test_tp2_matches_tp1(tp1, tp2) -> None:
         "grad_norm_tp1": norm_1,
         "weight_abs_diff_max": float(diffs.max()),
         "weight_abs_diff_mean": float(diffs.mean()),
-        "update_cosine": float(torch.nn.functional.cosine_similarity(upd_2, upd_1, dim=0)),
+        # in float64: a bf16 reduction over 0.6 B elements gave a "cosine" of 4.1 on the device
+        "update_cosine": float(
+            torch.nn.functional.cosine_similarity(upd_2.double(), upd_1.double(), dim=0)
+        ),
     }
     record("megatron_tp", figures)
     assert abs(norm_2 - norm_1) / norm_1 < 0.05  # TP-sharded params counted once, QK-norm summed
