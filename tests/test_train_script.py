@@ -122,6 +122,10 @@ def test_train_script_runs_two_steps(tmp_path, train_script):
     assert [json.loads(c)["step"] for c in checkpoints] == [1, 2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "eval_before/success_rate" in summary and "eval_after/success_rate" in summary
+    phases = {k: v for k, v in summary.items() if k.startswith("time/phase_")}
+    names = ("setup", "sft", "eval_before", "rl", "eval_after")
+    assert sorted(phases) == sorted(f"time/phase_{n}_s" for n in names)
+    assert all(v > 0 for v in phases.values())
     # Two warm-start steps decaying linearly from 0.004: the last ran at 0.004 * (1 - 1/2).
     sft = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["sft/learning_rate_last"] for m in sft if "sft/steps" in m] == [0.002]

@@ -61,10 +61,11 @@ class Run:
 
 async def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, float]:
     """Run SFT (if configured) and `algo.max_steps` RL steps; returns the final summary."""
+    started = time.monotonic()
     run = await setup(cfg, resume)
     status = "errored"
     try:
-        summary = await _run(run)
+        summary = await _run(run, {"setup": time.monotonic() - started})
         status = "success"
         return summary
     except asyncio.CancelledError:
@@ -75,22 +76,36 @@ async def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, float]:
         await asyncio.wait_for(run.service.close(status), cfg.timeouts.sync_s)
 
 
-async def _run(run: Run) -> dict[str, float]:
+async def _run(run: Run, phases: dict[str, float]) -> dict[str, float]:
+    """SFT, eval before, RL, eval after; `phases` collects each one's wall seconds (this process;
+    a resumed run times only what it ran), reported in the summary as `time/phase_<name>_s`."""
     cfg = run.cfg
     before: dict[str, float] = {}
+    mark = time.monotonic()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name], mark = now - mark, now
+
     if not run.state.sft_done and cfg.sft is not None:
         before.update(await warm_start(run))
+        lap("sft")
     if cfg.eval is not None and not run.state.eval_before:
         run.state = _replace(run.state, eval_before=await evaluate(run, "eval_before"))
         before.update(run.state.eval_before)
+        lap("eval_before")
     if before:
         run.logger.log(0, before)  # step 0: the model RL starts from
     summary = await rl(run)
+    lap("rl")
     if cfg.eval is not None:
         after = await evaluate(run, "eval_after")
         run.logger.log(cfg.algo.max_steps + 1, after)
         summary.update(after)
         summary.update(run.state.eval_before)
+        lap("eval_after")
+    summary.update({f"time/phase_{name}_s": seconds for name, seconds in phases.items()})
     write_plots(cfg.run_dir)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return summary
