@@ -16,14 +16,17 @@ from oneloop.backends.megatron_local.engines.megatron_layout import (
 )
 
 
-def _model(tied: bool) -> tuple[DenseShape, dict[str, torch.Tensor]]:
+def random_qwen3(
+    tied: bool, heads: int = 4, kv_heads: int = 2
+) -> tuple[DenseShape, dict[str, torch.Tensor]]:
+    """A tiny random Qwen3's shape and HF state dict (no lm_head entry when tied)."""
     config = Qwen3Config(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=8,
         tie_word_embeddings=tied,
     )
@@ -35,7 +38,7 @@ def _model(tied: bool) -> tuple[DenseShape, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_round_trip_is_exact(tied: bool) -> None:
-    shape, hf = _model(tied)
+    shape, hf = random_qwen3(tied)
     mega = hf_to_megatron(shape, hf)
     assert list(mega) == megatron_param_names(shape)
     back = megatron_to_hf(shape, mega)
@@ -47,7 +50,7 @@ def test_round_trip_is_exact(tied: bool) -> None:
 
 def test_qkv_is_grouped_per_kv_head() -> None:
     """Megatron's linear_qkv rows: for each KV group, its query heads, then its key, then its value."""
-    shape, hf = _model(tied=True)
+    shape, hf = random_qwen3(tied=True)
     qkv = hf_to_megatron(shape, hf)["decoder.layers.1.self_attention.linear_qkv.weight"]
     q, k, v = (hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
     d = shape.head_dim  # 8; 4 query heads in 2 groups of 2

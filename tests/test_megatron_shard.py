@@ -8,7 +8,7 @@ sizes not built (PP, CP, EP) and bad TP requests are refused with the reason bef
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape, hf_to_megatron
 from oneloop.backends.megatron_local.engines.megatron_shard import (
@@ -21,23 +21,11 @@ from oneloop.backends.megatron_local.engines.megatron_shard import (
     shard_all,
     tp_kind,
 )
+from tests.test_megatron_layout import random_qwen3
 
 
 def _model(tied: bool) -> tuple[DenseShape, dict[str, torch.Tensor]]:
-    config = Qwen3Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=8,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
-    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    return DenseShape.from_hf(config), state
+    return random_qwen3(tied, heads=8, kv_heads=4)  # 4 KV groups: splits across TP 1, 2 and 4
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
