@@ -1,14 +1,41 @@
-"""Shared by the GPU tests: the device model directory and a figures sink ($OUT/<name>.json)."""
+"""Shared by the GPU tests: the device model directory, a figures sink ($OUT/<name>.json), the AdamW
+parameters and the ragged batch the engine parity tests use."""
 
 import json
 import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "device"))
 
 from build_random_qwen3 import build  # noqa: E402
+
+from oneloop.backends.megatron_local.engines.base import DatumArrays  # noqa: E402
+
+ADAM = dict(
+    learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0
+)
+VOCAB = 151936  # the Qwen3 vocabulary of build_random_qwen3's shapes
+LENGTHS = (512, 384, 300, 129, 512, 64, 200, 450)  # ragged: several microbatches, padding
+
+
+def batch(seed: int, loss: str, lengths: tuple[int, ...] = LENGTHS) -> list[DatumArrays]:
+    """Random datums for `loss` (`cross_entropy` weights, or `importance_sampling` inputs)."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in lengths:
+        tokens = rng.integers(0, VOCAB, n + 1)
+        inputs = {"weights": (rng.random(n) > 0.3).astype(np.float32)}
+        if loss == "importance_sampling":
+            inputs = {
+                "logprobs": rng.normal(-11.0, 0.5, n).astype(np.float32),
+                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
+            }
+        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
+    return data
 
 
 def model_dir(tmp_root: Path, shape: str = "0.6b") -> Path:
@@ -24,3 +51,8 @@ def record(name: str, figures: dict) -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out, f"{name}.json").write_text(text)
+
+
+def logprob_gaps(a, b) -> np.ndarray:
+    """|Δ| of the per-token logprobs of two `ForwardResult`s, all datums concatenated."""
+    return np.concatenate([np.abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)])

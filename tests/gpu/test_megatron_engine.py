@@ -15,30 +15,11 @@ pytest.importorskip("megatron.core")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gpu_figures import model_dir, record  # noqa: E402
+from gpu_figures import ADAM, batch, logprob_gaps, model_dir, record  # noqa: E402
 
-from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  # noqa: E402
+from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
-
-ADAM = dict(
-    learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0
-)
-
-
-def batch(seed: int, loss: str) -> list[DatumArrays]:
-    rng = np.random.default_rng(seed)
-    data = []
-    for n in (512, 384, 300, 129, 512, 64, 200, 450):
-        tokens = rng.integers(0, 151936, n + 1)
-        inputs = {"weights": (rng.random(n) > 0.3).astype(np.float32)}
-        if loss == "importance_sampling":
-            inputs = {
-                "logprobs": rng.normal(-11.0, 0.5, n).astype(np.float32),
-                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
-            }
-        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
-    return data
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +41,7 @@ def test_megatron_matches_torch_engine(engines) -> None:
         data = batch(1, loss)
         a = mega.forward_backward(data, loss, None, forward_only=False)
         b = ref.forward_backward(data, loss, None, forward_only=False)
-        gaps = np.concatenate([np.abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)])
+        gaps = logprob_gaps(a, b)
         figures[loss] = {
             "loss_megatron": a.loss,
             "loss_torch": b.loss,
@@ -122,10 +103,6 @@ LORA = LoraSpec(16, seed=3)
 LORA_ADAM = {**ADAM, "learning_rate": 1e-3}
 
 
-def _gaps(a, b) -> np.ndarray:
-    return np.concatenate([np.abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)])
-
-
 def _flat(adapter, names) -> torch.Tensor:
     return torch.cat([torch.from_numpy(adapter.tensors[k]).flatten() for k in names])
 
@@ -168,7 +145,7 @@ def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
         data = batch(1, loss)
         a = mega.forward_backward(data, loss, None, forward_only=False)
         b = ref.forward_backward(data, loss, None, forward_only=False)
-        first[loss], gaps = a, _gaps(a, b)
+        first[loss], gaps = a, logprob_gaps(a, b)
         figures[loss] = {
             "loss_megatron": a.loss,
             "loss_torch": b.loss,
@@ -196,7 +173,7 @@ def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
     data = batch(1, "cross_entropy")
     a = mega.forward_backward(data, "cross_entropy", None, forward_only=True)
     b = ref.forward_backward(data, "cross_entropy", None, forward_only=True)
-    gaps, shift = _gaps(a, b), _gaps(a, first["cross_entropy"])
+    gaps, shift = logprob_gaps(a, b), logprob_gaps(a, first["cross_entropy"])
     # The merged sampler weights, loaded into the HF model, score like the engine itself.
     hf = untie_embeddings(load_causal_lm(path, "bfloat16")).to("cuda").eval()
     merged = {k: torch.from_numpy(v) for k, v in mega.sampler_weights().items()}

@@ -5,7 +5,6 @@ forward_backward, weights after one optim_step, and each SDPA backend's logprobs
 Device only (`pytest -m gpu tests/gpu/test_megatron_speed.py`). Figures → $OUT/megatron_speed.json.
 """
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,36 +12,14 @@ pytest.importorskip("megatron.core")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gpu_figures import model_dir, record  # noqa: E402
+from gpu_figures import ADAM, batch, logprob_gaps, model_dir, record  # noqa: E402
 
-from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  # noqa: E402
+from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
 from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-ADAM = dict(
-    learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0
-)
 FIGURES: dict = {}
-
-
-def batch(seed: int, loss: str) -> list[DatumArrays]:
-    rng = np.random.default_rng(seed)
-    data = []
-    for n in (512, 384, 300, 129, 512, 64, 200, 450):
-        tokens = rng.integers(0, 151936, n + 1)
-        inputs = {"weights": (rng.random(n) > 0.3).astype(np.float32)}
-        if loss == "importance_sampling":
-            inputs = {
-                "logprobs": rng.normal(-11.0, 0.5, n).astype(np.float32),
-                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
-            }
-        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
-    return data
-
-
-def gaps(a, b) -> np.ndarray:
-    return np.concatenate([np.abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)])
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +49,7 @@ def test_switches_on_match_switches_off(path) -> None:
         data = batch(1, loss)
         a = off.forward_backward(data, loss, None, forward_only=False)
         b = on.forward_backward(data, loss, None, forward_only=False)
-        gap = gaps(a, b)
+        gap = logprob_gaps(a, b)
         tokens = sum(len(d.tokens) for d in data)
         FIGURES[loss] = {
             "loss_off": a.loss,
@@ -99,7 +76,7 @@ def test_switches_on_match_switches_off(path) -> None:
     forward = batch(2, "cross_entropy")
     a = off.forward_backward(forward, "cross_entropy", None, forward_only=True)
     b = on.forward_backward(forward, "cross_entropy", None, forward_only=True)
-    FIGURES["forward_only_after_step"] = {"logprob_abs_diff_mean": float(gaps(a, b).mean())}
+    FIGURES["forward_only_after_step"] = {"logprob_abs_diff_mean": float(logprob_gaps(a, b).mean())}
     record("megatron_speed", FIGURES)
     assert FIGURES["optim_step"]["update_cosine"] > 0.9
     assert FIGURES["optim_step"]["weight_abs_diff_mean"] < ADAM["learning_rate"]
@@ -116,7 +93,7 @@ def test_fused_rope_matches_megatron_rope(path) -> None:
     got = engine(path, MegatronSpeed(fused_rope=True)).forward_backward(
         data, "cross_entropy", None, forward_only=False
     )
-    gap = gaps(ref, got)
+    gap = logprob_gaps(ref, got)
     FIGURES["fused_rope"] = {"logprob_abs_diff_mean": float(gap.mean()), "max": float(gap.max())}
     record("megatron_speed", FIGURES)
     assert gap.mean() < 0.02
@@ -136,7 +113,7 @@ def test_attention_backends_match_auto(path, backend: str) -> None:
         if "kernel" in str(exc).lower():  # this torch build refuses the backend for these inputs
             pytest.skip(f"{backend}: {exc}")
         raise
-    gap = gaps(ref, got)
+    gap = logprob_gaps(ref, got)
     FIGURES[f"attention_{backend}"] = {"logprob_abs_diff_mean": float(gap.mean())}
     record("megatron_speed", FIGURES)
     assert gap.mean() < 0.02

@@ -21,31 +21,13 @@ pytest.importorskip("megatron.core")
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs (nvidia-h200-x2)", allow_module_level=True)
 
-from gpu_figures import model_dir, record  # noqa: E402
+from gpu_figures import ADAM, batch, model_dir, record  # noqa: E402
 
-from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  # noqa: E402
+from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-ADAM = dict(
-    learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0
-)
 LOSSES = ("cross_entropy", "importance_sampling")
-
-
-def batch(seed: int, loss: str) -> list[DatumArrays]:
-    rng = np.random.default_rng(seed)
-    data = []
-    for n in (512, 384, 300, 129, 512, 64, 200, 450):
-        tokens = rng.integers(0, 151936, n + 1)
-        inputs = {"weights": (rng.random(n) > 0.3).astype(np.float32)}
-        if loss == "importance_sampling":
-            inputs = {
-                "logprobs": rng.normal(-11.0, 0.5, n).astype(np.float32),
-                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
-            }
-        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
-    return data
 
 
 def run_sequence(engine) -> dict:
