@@ -1,7 +1,10 @@
 """Hugging Face ⇄ Megatron-core parameter mapping for the dense families the `megatron` engine runs.
 
 Families: Qwen3 (GQA, QK-norm, optional tied embeddings), Qwen2 (GQA with q/k/v biases) and Llama.
-Our own mapping (megatron-bridge is used instead when it is installed — see `megatron_trainer`).
+Our own mapping, round-trip tested. megatron-bridge is not used: its newest release (0.6.2) needs
+transformers <= 5.12.1 (this install has 5.24) and fails at import (`transformers.
+modeling_attn_mask_utils` is gone), and its Qwen3/Llama mappings name TransformerEngine's fused
+norm+linear parameters, which the local spec (no TE on the device image) does not have.
 
 Megatron's fused layouts, which the mapping must reproduce exactly:
 - `linear_qkv.weight` [(H + 2G)·D, hidden] is grouped per KV group g: the H/G query heads of g,
