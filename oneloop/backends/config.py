@@ -16,6 +16,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class MegatronSpeedSettings(_Strict):
+    """Speed switches of the `megatron` engine without TransformerEngine (`megatron_speed` has the
+    measured reason for each; all exact up to bf16 rounding). Defaults: the measured best."""
+
+    fused_logprobs: bool = True
+    """Target logprobs from the hidden states, chunked (no fp32 full-vocabulary logits)."""
+    compile_logprobs: bool = True
+    """The fused logprob chunk as torch.compile kernels (off: eager torch)."""
+    logprob_chunk_rows: int = Field(default=2048, ge=1)
+    """Rows of [rows, vocab] fp32 work per fused-logprob chunk."""
+    bf16_norms: bool = True
+    """RMSNorm weights in the model dtype (torch's fused RMSNorm kernel)."""
+    swiglu_fusion: bool = True
+    """megatron-core's SwiGLU fusion (torch.compile kernels)."""
+    fused_adam: bool = True
+    """torch's single-kernel fused AdamW in place of the foreach one."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient"] = "auto"
+    """torch SDPA backend of the core attention; auto = torch's choice."""
+    fused_rope: bool = False
+    """RoPE inside the SDPA core attention as one compiled kernel per q and k (opt-in)."""
+
+
 class MegatronSettings(_Strict):
     """Settings of the `megatron` trainer engine (GPU)."""
 
@@ -32,6 +54,8 @@ class MegatronSettings(_Strict):
     """Megatron's distributed optimizer (fp32 main params sharded over data-parallel ranks)."""
     optimizer_cpu_offload: bool = False
     """Keep optimizer state and the update on the CPU (saves GPU memory, costs step time)."""
+    speed: MegatronSpeedSettings = MegatronSpeedSettings()
+    """Speed switches when TransformerEngine is absent (`local.megatron.speed.*`)."""
 
 
 class VllmSettings(_Strict):

@@ -38,7 +38,10 @@ def make_trainer_engine(
         )
     except ImportError as error:
         raise _missing_gpu_extra("trainer_engine", local.trainer_engine, error) from error
-    parallel = MegatronParallel(**local.megatron.model_dump())
+    from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
+
+    parallel = MegatronParallel(**local.megatron.model_dump(exclude={"speed"}))
+    common["speed"] = MegatronSpeed(**local.megatron.speed.model_dump())
     if parallel.tp > 1:  # rank 0 here, ranks 1.. in worker processes on the actor's other GPUs
         from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
 
