@@ -29,6 +29,10 @@ def make_trainer_engine(
         from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
 
         return TorchTrainerEngine(model_path, lora, device=local.device, **common)
+    from oneloop.backends.megatron_local.engines.megatron_pp_plan import check_gpus_per_trainer
+
+    m = local.megatron
+    check_gpus_per_trainer(local.gpus_per_trainer, m.tp, m.pp, m.cp)
     try:
         import megatron.core  # noqa: F401
 
@@ -42,7 +46,7 @@ def make_trainer_engine(
 
     parallel = MegatronParallel(**local.megatron.model_dump(exclude={"speed"}))
     common["speed"] = MegatronSpeed(**local.megatron.speed.model_dump())
-    if parallel.tp > 1:  # rank 0 here, ranks 1.. in worker processes on the actor's other GPUs
+    if parallel.tp * parallel.pp * parallel.cp > 1:  # rank 0 here, 1.. in worker processes
         from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
 
         return MegatronGroupEngine(model_path, lora, device="cuda", parallel=parallel, **common)

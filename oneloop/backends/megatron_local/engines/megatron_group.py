@@ -1,10 +1,13 @@
-"""Tensor-parallel `megatron` trainer: one engine object driving `tp` ranks, one per GPU.
+"""Multi-GPU `megatron` trainer: one engine object driving tp · pp · cp ranks, one per GPU.
 
-The trainer actor keeps the single-process engine contract: it holds this object, which is rank 0
-(`megatron_tp.MegatronTpRank` on GPU 0 of the actor's GPUs) and starts ranks 1..tp-1 as spawned
-worker processes on the actor's other GPUs (Ray's CUDA_VISIBLE_DEVICES is inherited, so the actor
-must hold tp GPUs: `local.gpus_per_trainer = tp`). All ranks join one torch.distributed world
-(NCCL on GPU, gloo on CPU) and Megatron's parallel state with that TP size.
+The trainer actor keeps the single-process engine contract: it holds this object, which is global
+rank 0 (on GPU 0 of the actor's GPUs) and starts ranks 1..N-1 as spawned worker processes on the
+actor's other GPUs (Ray's CUDA_VISIBLE_DEVICES is inherited, so the actor must hold N = tp · pp ·
+cp GPUs: `local.gpus_per_trainer = N`). All ranks join one torch.distributed world (NCCL on GPU,
+gloo on CPU) and Megatron's parallel state with those sizes, placed in Megatron's rank order
+(`megatron_pp_plan.rank_coords`). Every rank is told the full `MegatronParallel` and its global
+rank; `rank_engine_class` picks the class each rank runs (`megatron_tp.MegatronTpRank` for TP
+only, `megatron_pp.MegatronPpRank` for pipeline stages).
 
 Each call is sent first to every worker (method name + picklable numpy args over a pipe), then run
 on rank 0; the workers run the same call (Megatron's collectives pair them up) and answer ok or
@@ -34,6 +37,7 @@ from oneloop.backends.megatron_local.engines.base import (
     TrainerEngine,
 )
 from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape
+from oneloop.backends.megatron_local.engines.megatron_pp_plan import check_pp, group_size
 from oneloop.backends.megatron_local.engines.megatron_shard import check_tp
 from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel, _free_port
 
@@ -41,28 +45,37 @@ DEFAULT_TIMEOUT_S = 600.0
 _POLL_S = 0.5
 
 
-def _join_world(rank: int, tp: int, address: str, device: str, timeout_s: float) -> str:
-    """Join the TP world as `rank`; returns this rank's device string."""
+def rank_engine_class(parallel: MegatronParallel) -> type:
+    """The engine class every rank of a group with these sizes runs (one place to extend)."""
+    if parallel.pp > 1:
+        from oneloop.backends.megatron_local.engines.megatron_pp import MegatronPpRank
+
+        return MegatronPpRank
+    from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
+
+    return MegatronTpRank
+
+
+def _join_world(rank: int, world: int, address: str, device: str, timeout_s: float) -> str:
+    """Join the group's world (size `world`) as `rank`; returns this rank's device string."""
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     torch.distributed.init_process_group(
         backend,
         init_method=address,
-        world_size=tp,
+        world_size=world,
         rank=rank,
         timeout=timedelta(seconds=timeout_s),
     )
     return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
 
 
-def _worker_main(rank: int, tp: int, address: str, build: dict, timeout_s: float, conn) -> None:
+def _worker_main(rank: int, world: int, address: str, build: dict, timeout_s: float, conn) -> None:
     """Rank `rank` (>= 1): build the engine, then run rank 0's calls until told to close."""
-    from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
-
     try:
-        device = _join_world(rank, tp, address, build["device"], timeout_s)
-        engine = MegatronTpRank(**{**build, "device": device}, rank=rank)
+        device = _join_world(rank, world, address, build["device"], timeout_s)
+        engine = rank_engine_class(build["parallel"])(**{**build, "device": device}, rank=rank)
     except BaseException:  # noqa: BLE001 — reported to rank 0, which raises it
         conn.send(("error", traceback.format_exc()))
         return
@@ -101,6 +114,8 @@ def _stop_workers(workers: list[tuple[Any, Any]], timeout_s: float) -> None:
 class MegatronGroupEngine(TrainerEngine):
     """See the module docstring. Same contract as `MegatronTrainerEngine`; LoRA is refused."""
 
+    label = "TP"  # names ranks in errors: "TP" for a TP-only group, "group" otherwise
+
     def __init__(
         self,
         model_path: Path,
@@ -111,33 +126,43 @@ class MegatronGroupEngine(TrainerEngine):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **engine_kwargs: Any,
     ) -> None:
+        if lora.rank > 0 and parallel.pp > 1:
+            raise CapabilityError(
+                f"LoRA rank {lora.rank} with local.megatron.pp={parallel.pp}: the megatron "
+                "engine's LoRA adapters are not pipeline-parallel; use pp=1 for LoRA"
+            )
         if lora.rank > 0:
             raise CapabilityError(
                 f"LoRA rank {lora.rank} with local.megatron.tp={parallel.tp}: LoRA on the megatron "
                 "engine runs at tp=1 only"
             )
-        tp = parallel.tp
+        tp, world = parallel.tp, group_size(parallel.tp, parallel.pp, parallel.cp)
         from transformers import AutoConfig
 
-        check_tp(DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path))), tp)
-        if device.startswith("cuda") and torch.cuda.device_count() < tp:
+        shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        check_tp(shape, tp)
+        check_pp(shape.layers, parallel.pp)
+        sizes = f"local.megatron tp={tp} × pp={parallel.pp} × cp={parallel.cp}"
+        if device.startswith("cuda") and torch.cuda.device_count() < world:
             raise CapabilityError(
-                f"local.megatron.tp={tp} needs {tp} GPUs in the trainer actor (set "
-                f"local.gpus_per_trainer={tp}); it sees {torch.cuda.device_count()}"
+                f"{sizes} needs {world} GPUs in the trainer actor (set "
+                f"local.gpus_per_trainer={world}); it sees {torch.cuda.device_count()}"
             )
-        self.tp, self.timeout_s = tp, timeout_s
+        self.tp, self.world, self.timeout_s = tp, world, timeout_s
+        if world != tp:
+            self.label = "group"
         self._broken: str | None = None
         address = f"tcp://127.0.0.1:{_free_port()}"
         build = dict(model_path=model_path, lora=lora, parallel=parallel, device=device)
         build.update(engine_kwargs)
         context = mp.get_context("spawn")
         self._workers: list[tuple[Any, Any]] = []
-        for rank in range(1, tp):
+        for rank in range(1, world):
             parent, child = context.Pipe()
             process = context.Process(
                 target=_worker_main,
-                args=(rank, tp, address, build, timeout_s, child),
-                name=f"megatron-tp-rank{rank}",
+                args=(rank, world, address, build, timeout_s, child),
+                name=f"megatron-rank{rank}",
                 daemon=True,
             )
             process.start()
@@ -145,15 +170,13 @@ class MegatronGroupEngine(TrainerEngine):
             self._workers.append((process, parent))
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers, 30.0)
         try:
-            from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
-
-            local = _join_world(0, tp, address, device, timeout_s)
-            self.local = MegatronTpRank(**{**build, "device": local}, rank=0)
+            local = _join_world(0, world, address, device, timeout_s)
+            self.local = rank_engine_class(parallel)(**{**build, "device": local}, rank=0)
         except BaseException as error:
             reasons = [f"rank {r}: {kind} {detail}" for r, kind, detail in self._answers(5.0)]
             self.close()
             raise RuntimeError(
-                f"megatron TP group (tp={tp}) failed to start: rank 0: {error!r}; {reasons}"
+                f"megatron group ({sizes}) failed to start: rank 0: {error!r}; {reasons}"
             ) from error
         answers = self._answers()
         if any(kind != "ready" for _, kind, _ in answers):
@@ -186,22 +209,22 @@ class MegatronGroupEngine(TrainerEngine):
     def _fail(self, method: str, answers: list[tuple[int, str, str | None]], expect: str) -> None:
         """Mark the group broken and raise, naming every rank that did not answer `expect`."""
         report = "\n".join(
-            f"TP rank {rank} during {method}: {detail}"
+            f"{self.label} rank {rank} during {method}: {detail}"
             for rank, kind, detail in answers
             if kind != expect
         )
         self._broken = report
-        raise RuntimeError(f"megatron TP group failed:\n{report}")
+        raise RuntimeError(f"megatron {self.label} group failed:\n{report}")
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._broken is not None:
             raise RuntimeError(
-                f"megatron TP group is broken by an earlier failure:\n{self._broken}"
+                f"megatron {self.label} group is broken by an earlier failure:\n{self._broken}"
             )
         for rank, (process, conn) in enumerate(self._workers, start=1):
             if not process.is_alive():
-                self._broken = f"TP rank {rank} exited with code {process.exitcode}"
-                raise RuntimeError(f"megatron TP group failed: {self._broken}")
+                self._broken = f"{self.label} rank {rank} exited with code {process.exitcode}"
+                raise RuntimeError(f"megatron {self.label} group failed: {self._broken}")
             conn.send((method, args))
         try:
             result = getattr(self.local, method)(*args)

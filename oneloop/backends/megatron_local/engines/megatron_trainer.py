@@ -13,7 +13,8 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   SwiGLU fusion, fused AdamW, SDPA backend choice, opt-in RoPE fusion.
 - Parallelism: one object is one rank. TP > 1: `megatron_group.MegatronGroupEngine` starts the
   other ranks and drives them, `megatron_tp.MegatronTpRank` (this class plus the shard maps) is each
-  rank. PP, CP and EP > 1 are refused with the reason (`REFUSED_PARALLEL`).
+  rank; PP > 1: `megatron_pp.MegatronPpRank` is each rank (one pipeline stage, Megatron's
+  schedule). CP and EP > 1 are refused with the reason (`REFUSED_PARALLEL`).
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
@@ -55,8 +56,7 @@ WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable 
 OPTIMIZER_FILE = "optimizer.pt"
 ENGINE_STATE_FILE = "engine.json"
 NO_CLIP = 1e30  # clip_grad this large never clips but makes Megatron report the grad norm
-REFUSED_PARALLEL = {  # sizes > 1 not built yet, and why (TP > 1: megatron_group)
-    "pp": "pipeline parallelism needs Megatron's pipeline schedule (not built); use tp",
+REFUSED_PARALLEL = {  # sizes > 1 not built yet, and why (TP, PP > 1: megatron_group)
     "cp": "context parallelism needs TransformerEngine's attention, which this install lacks",
     "ep": "expert parallelism waits for MoE models (this engine runs dense Qwen3/Qwen2/Llama)",
 }
@@ -93,9 +93,11 @@ def _init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
         if getattr(parallel, knob) != 1:
             raise CapabilityError(f"local.megatron.{knob}={getattr(parallel, knob)}: {why}")
     dist = torch.distributed
-    if parallel.tp > 1 and not (dist.is_initialized() and dist.get_world_size() == parallel.tp):
+    world = parallel.tp * parallel.pp * parallel.cp
+    if world > 1 and not (dist.is_initialized() and dist.get_world_size() == world):
         raise CapabilityError(  # megatron_group.MegatronGroupEngine starts the ranks first
-            f"local.megatron.tp={parallel.tp}: the ranks are started by megatron_group"
+            f"local.megatron tp={parallel.tp} pp={parallel.pp} cp={parallel.cp}: the ranks are "
+            "started by megatron_group"
         )
     from megatron.core import parallel_state
 
@@ -105,7 +107,9 @@ def _init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
             backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(parallel.tp, 1)
+        parallel_state.initialize_model_parallel(
+            parallel.tp, parallel.pp, context_parallel_size=parallel.cp
+        )
 
 
 def _te_name(name: str) -> str:
@@ -223,8 +227,7 @@ class MegatronTrainerEngine(TrainerEngine):
             transformer_layer_spec=spec,
             vocab_size=self.shape.vocab,
             max_sequence_length=self.shape.max_positions,
-            pre_process=True,
-            post_process=True,
+            **self._stage(),
             parallel_output=True,
             share_embeddings_and_output_weights=self.shape.tied,
             # fused_rope: the SDPA core attention applies RoPE itself (megatron_speed)
@@ -262,6 +265,10 @@ class MegatronTrainerEngine(TrainerEngine):
                         f"{name}: HF gives {tuple(src.shape)}, Megatron has {tuple(param.shape)}"
                     )
                 param.copy_(src.to(param.device, param.dtype))
+
+    def _stage(self) -> dict[str, bool]:
+        """GPTModel's pipeline-stage flags (one stage here; PP: megatron_pp)."""
+        return {"pre_process": True, "post_process": True}
 
     def _local_parts(self, mapped: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's parts of full Megatron-layout weights (all of them here; TP: megatron_tp)."""
@@ -365,7 +372,7 @@ class MegatronTrainerEngine(TrainerEngine):
                     eps=float(adam_params["eps"]),
                     weight_decay=float(adam_params["weight_decay"]),
                 )
-        self.model.finish_grad_sync()
+        self._finish_grads()
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step skipped (non-finite gradients)")
@@ -373,6 +380,10 @@ class MegatronTrainerEngine(TrainerEngine):
         self.optimizer.zero_grad()
         self.steps += 1
         return {"grad_norm:mean": float(grad_norm or 0.0), "learning_rate:mean": lr}
+
+    def _finish_grads(self) -> None:
+        """Gradient reductions before the step (PP: Megatron's finalize_model_grads)."""
+        self.model.finish_grad_sync()
 
     # -- weights ---------------------------------------------------------------------------------
 
