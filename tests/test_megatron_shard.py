@@ -144,8 +144,8 @@ def test_group_engine_refuses_before_starting_ranks(tmp_path) -> None:
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=8, num_key_value_heads=4, head_dim=8,
     ).save_pretrained(tmp_path)  # fmt: skip
-    with pytest.raises(CapabilityError, match="LoRA"):
-        MegatronGroupEngine(tmp_path, LoraSpec(4), parallel=MegatronParallel(tp=2))
+    with pytest.raises(CapabilityError, match="LoRA"):  # LoRA is tensor-parallel only
+        MegatronGroupEngine(tmp_path, LoraSpec(4), parallel=MegatronParallel(tp=2, pp=2))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=8), device="cpu")
     if torch.cuda.device_count() < 2:

@@ -38,7 +38,7 @@ def capabilities(config: BackendConfig) -> Capabilities:
             models=(),
             trainer_engine=local.trainer_engine,
             sampler_engine=local.sampler_engine,
-            megatron_tp=local.megatron.tp,
+            megatron_tp_only=local.megatron.pp == 1 and local.megatron.cp == 1,
         )
     from oneloop.backends.tinker_remote import remote_capabilities
 

@@ -86,19 +86,20 @@ def local_capabilities(
     models: Iterable[str] = (),
     trainer_engine: str = "torch",
     sampler_engine: str = "torch",
-    megatron_tp: int = 1,
+    megatron_tp_only: bool = True,
 ) -> Capabilities:
     """The local Ray backend: every built-in loss; both sampler kinds and LoRA with the torch
     engines. The vllm engine holds one live set of full weights, so full fine-tuning runs get
     `inflight` clients only (a snapshot would evict the weights in-flight clients sample from);
     LoRA runs on vllm get both, each version being its own LoRA module (`vllm_lora`). The megatron
-    engine trains LoRA at TP = 1 only (`megatron_lora`: its adapters are not tensor-parallel)."""
+    engine trains LoRA at any TP size (`megatron_lora_tp`) but not with pipeline or context
+    parallelism (`megatron_group` refuses it): `megatron_tp_only` is false when pp or cp > 1."""
     return Capabilities(
         backend="local",
         losses=BUILTIN_LOSSES,
         sampler_kinds=frozenset({"snapshot", "inflight"}),
         full_finetune_sampler_kinds=frozenset({"inflight"}) if sampler_engine == "vllm" else None,
-        lora=trainer_engine != "megatron" or megatron_tp == 1,
+        lora=trainer_engine != "megatron" or megatron_tp_only,
         full_finetune=True,
         max_lora_rank=max_lora_rank,
         models=frozenset(models),

@@ -43,7 +43,8 @@ class MegatronSettings(_Strict):
 
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel size: ranks 1.. run as worker processes on the trainer actor's other GPUs
-    (give the actor `gpus_per_trainer` = tp GPUs); LoRA runs at tp = 1 only."""
+    (give the actor `gpus_per_trainer` = tp GPUs); LoRA adapters are split like their base
+    linears (`megatron_lora_tp`), with pp = cp = 1."""
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel size (this release: 1; needs Megatron's pipeline schedule)."""
     cp: int = Field(default=1, ge=1)

@@ -7,7 +7,8 @@ cp GPUs: `local.gpus_per_trainer = N`). All ranks join one torch.distributed wor
 gloo on CPU) and Megatron's parallel state with those sizes, placed in Megatron's rank order
 (`megatron_pp_plan.rank_coords`). Every rank is told the full `MegatronParallel` and its global
 rank; `rank_engine_class` picks the class each rank runs (`megatron_tp.MegatronTpRank` for TP
-only, `megatron_pp.MegatronPpRank` for pipeline stages).
+only, `megatron_lora_tp.MegatronLoraTpRank` for LoRA at TP, `megatron_pp.MegatronPpRank` for
+pipeline stages).
 
 Each call is sent first to every worker (method name + picklable numpy args over a pipe), then run
 on rank 0; the workers run the same call (Megatron's collectives pair them up) and answer ok or
@@ -33,6 +34,7 @@ from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local.engines.base import (
     DatumArrays,
     ForwardResult,
+    LoraAdapter,
     LoraSpec,
     TrainerEngine,
 )
@@ -45,12 +47,16 @@ DEFAULT_TIMEOUT_S = 600.0
 _POLL_S = 0.5
 
 
-def rank_engine_class(parallel: MegatronParallel) -> type:
+def rank_engine_class(parallel: MegatronParallel, lora_rank: int = 0) -> type:
     """The engine class every rank of a group with these sizes runs (one place to extend)."""
     if parallel.pp > 1:
         from oneloop.backends.megatron_local.engines.megatron_pp import MegatronPpRank
 
         return MegatronPpRank
+    if lora_rank > 0:  # TP only: LoRA with pp or cp > 1 is refused by MegatronGroupEngine
+        from oneloop.backends.megatron_local.engines.megatron_lora_tp import MegatronLoraTpRank
+
+        return MegatronLoraTpRank
     from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
 
     return MegatronTpRank
@@ -75,7 +81,8 @@ def _worker_main(rank: int, world: int, address: str, build: dict, timeout_s: fl
     """Rank `rank` (>= 1): build the engine, then run rank 0's calls until told to close."""
     try:
         device = _join_world(rank, world, address, build["device"], timeout_s)
-        engine = rank_engine_class(build["parallel"])(**{**build, "device": device}, rank=rank)
+        engine_class = rank_engine_class(build["parallel"], build["lora"].rank)
+        engine = engine_class(**{**build, "device": device}, rank=rank)
     except BaseException:  # noqa: BLE001 — reported to rank 0, which raises it
         conn.send(("error", traceback.format_exc()))
         return
@@ -112,7 +119,7 @@ def _stop_workers(workers: list[tuple[Any, Any]], timeout_s: float) -> None:
 
 
 class MegatronGroupEngine(TrainerEngine):
-    """See the module docstring. Same contract as `MegatronTrainerEngine`; LoRA is refused."""
+    """See the module docstring. Same contract as `MegatronTrainerEngine` (LoRA at TP only)."""
 
     label = "TP"  # names ranks in errors: "TP" for a TP-only group, "group" otherwise
 
@@ -126,15 +133,10 @@ class MegatronGroupEngine(TrainerEngine):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **engine_kwargs: Any,
     ) -> None:
-        if lora.rank > 0 and parallel.pp > 1:
+        if lora.rank > 0 and (parallel.pp > 1 or parallel.cp > 1):
             raise CapabilityError(
-                f"LoRA rank {lora.rank} with local.megatron.pp={parallel.pp}: the megatron "
-                "engine's LoRA adapters are not pipeline-parallel; use pp=1 for LoRA"
-            )
-        if lora.rank > 0:
-            raise CapabilityError(
-                f"LoRA rank {lora.rank} with local.megatron.tp={parallel.tp}: LoRA on the megatron "
-                "engine runs at tp=1 only"
+                f"LoRA rank {lora.rank} with local.megatron pp={parallel.pp} cp={parallel.cp}: the "
+                "megatron engine's LoRA adapters are tensor-parallel only; use pp=1, cp=1 for LoRA"
             )
         tp, world = parallel.tp, group_size(parallel.tp, parallel.pp, parallel.cp)
         from transformers import AutoConfig
@@ -171,7 +173,8 @@ class MegatronGroupEngine(TrainerEngine):
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers, 30.0)
         try:
             local = _join_world(0, world, address, device, timeout_s)
-            self.local = rank_engine_class(parallel)(**{**build, "device": local}, rank=0)
+            engine_class = rank_engine_class(parallel, lora.rank)
+            self.local = engine_class(**{**build, "device": local}, rank=0)
         except BaseException as error:
             reasons = [f"rank {r}: {kind} {detail}" for r, kind, detail in self._answers(5.0)]
             self.close()
@@ -262,6 +265,10 @@ class MegatronGroupEngine(TrainerEngine):
 
     def sampler_weights(self) -> dict[str, np.ndarray]:
         return self._call("sampler_weights")
+
+    def adapter(self) -> LoraAdapter:
+        """The full LoRA adapter (gathered from every rank; LoRA runs only)."""
+        return self._call("adapter")
 
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
         self._call("save_state", directory, with_optimizer)

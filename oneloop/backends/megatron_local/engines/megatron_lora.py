@@ -22,9 +22,26 @@ parameters with `requires_grad=False` (checked in megatron-core 0.19: DDP's buff
 `_get_param_groups`), and frozen linears take Megatron's `linear_with_frozen_weight` path, so the
 stock DDP + distributed optimizer hold and update the adapters only.
 
-Limits: TP = 1 (sharded adapters would need column-/row-parallel A and B); the local layer spec
-(TransformerEngine's fused norm + linear never exposes the normed input the adapter reads, so the
-engine builds LoRA runs on the local spec).
+Tensor parallelism (TP > 1): each rank holds the adapter parts matching its base shard
+(`megatron_lora_shard`): column-parallel bases (qkv, fc1, output layer) get A replicated and B
+split along the output; row-parallel ones (linear_proj, fc2) get A split along the input and B
+replicated. The rank-sized hidden state h = A·x is where the ranks meet, so no extra gradient
+sync is needed afterwards:
+- column: h goes through Megatron's `copy_to_tensor_model_parallel_region` (identity forward,
+  all-reduce backward), so dh — and with it A's gradient and the LoRA path's input gradient — is
+  the full sum over the ranks' output blocks, identical on every rank;
+- row: h goes through `reduce_from_tensor_model_parallel_region` (all-reduce forward, identity
+  backward): the full h on every rank, the delta replicated like the base's reduced output, B's
+  gradient full on every rank, A's the rank's own columns.
+Split parameters carry Megatron's `tensor_model_parallel` attributes, so its grad norm counts them
+once per rank and the replicated ones once (TP rank 0). Export (`adapter`, `merge`, `save`)
+all-gathers the split parts: a collective every rank must call; every rank gets full tensors and
+only rank 0 writes files. The init draws the full A on every rank and keeps the rank's part, so
+TP = 1 and TP > 1 start from the same adapter for the same seed.
+
+Limits: the local layer spec (TransformerEngine's fused norm + linear never exposes the normed
+input the adapter reads, so the engine builds LoRA runs on the local spec); no sequence
+parallelism (the engine does not enable it).
 """
 
 import json
@@ -32,6 +49,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,16 +57,26 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from oneloop.backends.megatron_local.engines import megatron_lora_shard as lshard
 from oneloop.backends.megatron_local.engines.base import LoraAdapter, LoraSpec
 from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape, _fuse_qkv
 from oneloop.backends.megatron_local.engines.torch_trainer import LORA_ALPHA
-from oneloop.errors import CapabilityError
 
 LORA_CHILD = "lora"  # the attribute of a base linear that holds its adapters
 PEFT_PREFIX = "base_model.model."  # PEFT's prefix of HF module names in adapter files
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _Fuse = Callable[[list[torch.Tensor]], torch.Tensor]
+_PARTS = (lshard.LORA_A, lshard.LORA_B)
+
+
+@dataclass(frozen=True)
+class LoraTp:
+    """This rank's place in the tensor-parallel group (size 1: no tensor parallelism)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None  # the TP process group (torch.distributed), None at size 1
 
 
 @dataclass(frozen=True)
@@ -92,7 +120,8 @@ def _dims(shape: DenseShape) -> dict[str, tuple[int, int]]:
 
 
 def _fuser(shape: DenseShape, targets: tuple[str, ...]) -> _Fuse:
-    """How per-target deltas ([..., out_t] each) become the fused linear's output [..., out]."""
+    """How per-target deltas ([..., out_t] each) become the fused linear's output [..., out]
+    (at TP > 1 pass `megatron_lora_shard.local_shape`: the rank's heads and KV groups)."""
     if targets == ("q_proj", "k_proj", "v_proj"):
         # _fuse_qkv interleaves along dim 0: move the feature dim there and back.
         return lambda d: _fuse_qkv(shape, *(t.movedim(-1, 0) for t in d)).movedim(0, -1)
@@ -101,8 +130,24 @@ def _fuser(shape: DenseShape, targets: tuple[str, ...]) -> _Fuse:
     return lambda d: d[0]
 
 
+def _join_ranks(hidden: list[torch.Tensor], row: bool, tp: LoraTp) -> list[torch.Tensor]:
+    """Where the TP ranks meet: the rank-sized hidden states h = A·x (module docstring)."""
+    if tp.size == 1:
+        return hidden
+    from megatron.core.tensor_parallel import mappings
+
+    join = (
+        mappings.reduce_from_tensor_model_parallel_region
+        if row
+        else mappings.copy_to_tensor_model_parallel_region
+    )
+    joined = join(torch.cat(hidden, dim=-1), group=tp.group)  # one collective for all targets
+    return list(torch.split(joined, [h.shape[-1] for h in hidden], dim=-1))
+
+
 class LoraDelta(nn.Module):
-    """The adapters of one base linear: per HF target A [rank, in] and B [out, rank] (fp32)."""
+    """The adapters of one base linear: per HF target A [rank, in] and B [out, rank] (fp32), or
+    at TP > 1 this rank's parts of them (`megatron_lora_shard`)."""
 
     def __init__(
         self,
@@ -111,29 +156,49 @@ class LoraDelta(nn.Module):
         fuse: _Fuse,
         generator: torch.Generator,
         device: torch.device,
+        tp: LoraTp | None = None,
     ) -> None:
         super().__init__()
         self.scaling = LORA_ALPHA / rank
         self.fuse = fuse
+        self.tp = tp or LoraTp()
+        self.row = any(lshard.is_row_parallel(t) for t in dims)
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         for target, (fan_in, fan_out) in dims.items():
-            a = torch.empty(rank, fan_in, dtype=torch.float32)
+            a = torch.empty(rank, fan_in, dtype=torch.float32)  # full A on every rank: same init
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            self.lora_A[target] = nn.Parameter(a.to(device))
-            self.lora_B[target] = nn.Parameter(torch.zeros(fan_out, rank, device=device))
+            b = torch.zeros(fan_out, rank)
+            for part, full, params in (
+                (lshard.LORA_A, a, self.lora_A),
+                (lshard.LORA_B, b, self.lora_B),
+            ):
+                local = lshard.shard_part(target, part, full, self.tp.size, self.tp.rank)
+                param = nn.Parameter(local.contiguous().to(device))
+                dim = lshard.split_dim(target, part)
+                if self.tp.size > 1 and dim is not None:  # Megatron's marks of a split param
+                    param.tensor_model_parallel = True
+                    param.partition_dim = dim
+                    param.partition_stride = 1
+                params[target] = param
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
+        hidden = _join_ranks([F.linear(x, self.lora_A[t]) for t in self.lora_A], self.row, self.tp)
         deltas = [
-            F.linear(F.linear(x, self.lora_A[t]), self.lora_B[t]) * self.scaling
-            for t in self.lora_A
+            F.linear(h, self.lora_B[t]) * self.scaling
+            for h, t in zip(hidden, self.lora_A, strict=True)
         ]
         return self.fuse(deltas)
 
-    def delta_weight(self, target: str) -> torch.Tensor:
-        """`scaling · B @ A` of one target ([out, in], fp32), as peft's `get_delta_weight`."""
-        return (self.lora_B[target] @ self.lora_A[target]) * self.scaling
+    def full(self, target: str, part: str) -> torch.Tensor:
+        """The full A or B of `target` (all-gathered at TP > 1: every rank must call it)."""
+        local = (self.lora_A if part == lshard.LORA_A else self.lora_B)[target].detach()
+        if self.tp.size == 1 or lshard.split_dim(target, part) is None:
+            return local
+        shards = [torch.empty_like(local) for _ in range(self.tp.size)]
+        torch.distributed.all_gather(shards, local.contiguous(), group=self.tp.group)
+        return lshard.gather_part(target, part, shards)
 
 
 def _add_delta(linear: nn.Module, args: tuple, output: tuple) -> tuple:
@@ -143,69 +208,98 @@ def _add_delta(linear: nn.Module, args: tuple, output: tuple) -> tuple:
 
 
 class MegatronLora:
-    """The adapters injected into one GPTModel (`inject`): export, import, merge, files."""
+    """The adapters injected into one GPTModel (`inject`): export, import, merge, files.
+
+    At TP > 1 `adapter`, `merge` and `save` are collectives (every rank calls them in the same
+    order); every rank gets the full tensors, only rank 0 writes files."""
 
     def __init__(
-        self, spec: LoraSpec, base_model_path: str, by_hf: dict[str, tuple[LoraDelta, str]]
+        self,
+        spec: LoraSpec,
+        base_model_path: str,
+        by_hf: dict[str, tuple[LoraDelta, str]],
+        tp: LoraTp | None = None,
     ) -> None:
         self.spec = spec
         self.base_model_path = base_model_path
         self.by_hf = by_hf  # HF module name ("model.layers.0.self_attn.q_proj") → (delta, target)
+        self.tp = tp or LoraTp()
 
     @property
     def target_modules(self) -> tuple[str, ...]:
         return tuple(sorted({target for _, target in self.by_hf.values()}))
 
+    def _full_tensors(self) -> dict[str, torch.Tensor]:
+        """PEFT name → full fp32 tensor (a collective at TP > 1)."""
+        return {
+            f"{PEFT_PREFIX}{name}.{part}.weight": delta.full(target, part).float()
+            for name, (delta, target) in self.by_hf.items()
+            for part in _PARTS
+        }
+
     def adapter(self) -> LoraAdapter:
-        tensors: dict[str, np.ndarray] = {}
-        for name, (delta, target) in self.by_hf.items():
-            for part, params in (("lora_A", delta.lora_A), ("lora_B", delta.lora_B)):
-                value = params[target].detach().float().cpu().numpy().copy()
-                tensors[f"{PEFT_PREFIX}{name}.{part}.weight"] = value
+        tensors = {k: v.cpu().numpy().copy() for k, v in self._full_tensors().items()}
         return LoraAdapter(self.spec.rank, LORA_ALPHA, self.target_modules, tensors)
 
     def load_adapter(self, adapter: LoraAdapter) -> None:
-        """Copy `adapter`'s A and B into the model (same rank, alpha and targets, PEFT names)."""
+        """Copy `adapter`'s A and B (full tensors, PEFT names; same rank, alpha and targets) into
+        the model: at TP > 1 each rank copies its part."""
         if (adapter.rank, adapter.alpha) != (self.spec.rank, LORA_ALPHA):
             raise ValueError(
                 f"adapter rank/alpha {adapter.rank}/{adapter.alpha}: this model trains "
                 f"rank {self.spec.rank} with alpha {LORA_ALPHA}"
             )
-        expected = set(self.adapter().tensors)
+        expected = {f"{PEFT_PREFIX}{name}.{part}.weight" for name in self.by_hf for part in _PARTS}
         if set(adapter.tensors) != expected:
             missing, extra = (
                 sorted(expected - set(adapter.tensors)),
                 sorted(set(adapter.tensors) - expected),
             )
             raise ValueError(f"adapter tensors differ: missing {missing[:3]}, extra {extra[:3]}")
+        size, rank = self.tp.size, self.tp.rank
         with torch.no_grad():
             for name, (delta, target) in self.by_hf.items():
-                for part, params in (("lora_A", delta.lora_A), ("lora_B", delta.lora_B)):
-                    value = adapter.tensors[f"{PEFT_PREFIX}{name}.{part}.weight"]
+                for part, params in ((lshard.LORA_A, delta.lora_A), (lshard.LORA_B, delta.lora_B)):
+                    value = torch.from_numpy(
+                        np.asarray(
+                            adapter.tensors[f"{PEFT_PREFIX}{name}.{part}.weight"], np.float32
+                        )
+                    )
                     param = params[target]
-                    if tuple(value.shape) != tuple(param.shape):
+                    model_shape = lshard.full_shape(target, part, tuple(param.shape), size)
+                    if tuple(value.shape) != model_shape:
                         raise ValueError(
                             f"{name}.{part}: adapter has {tuple(value.shape)}, "
-                            f"model has {tuple(param.shape)}"
+                            f"model has {model_shape}"
                         )
-                    param.copy_(torch.from_numpy(np.asarray(value, np.float32)))
+                    param.copy_(lshard.shard_part(target, part, value, size, rank))
 
     def merge(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF base weights → LoRA-merged weights: `W + scaling · B @ A` on every target (fp32 there,
-        as peft's merge of a bf16 base with fp32 adapters); other entries unchanged."""
+        as peft's merge of a bf16 base with fp32 adapters); other entries unchanged. At TP > 1 a
+        collective; ranks that hold no HF weights (`hf` empty) get an empty dict."""
+        full = self._full_tensors()
         merged = dict(hf)
+        scaling = LORA_ALPHA / self.spec.rank
         with torch.no_grad():
-            for name, (delta, target) in self.by_hf.items():
+            for name in self.by_hf:
                 key = f"{name}.weight"
-                merged[key] = hf[key] + delta.delta_weight(target).to(hf[key].device)
+                if key not in hf:
+                    continue
+                a = full[f"{PEFT_PREFIX}{name}.{lshard.LORA_A}.weight"]
+                b = full[f"{PEFT_PREFIX}{name}.{lshard.LORA_B}.weight"]
+                merged[key] = hf[key] + ((b @ a) * scaling).to(hf[key].device)
         return merged
 
     def save(self, directory: Path) -> None:
-        """Write the adapter as a PEFT adapter directory (loadable by peft and vLLM)."""
-        self.adapter().write_peft(directory, self.base_model_path)
+        """Write the adapter as a PEFT adapter directory (loadable by peft and vLLM); at TP > 1
+        every rank calls it and rank 0 writes."""
+        adapter = self.adapter()
+        if self.tp.rank == 0:
+            adapter.write_peft(directory, self.base_model_path)
 
     def load(self, directory: Path) -> None:
-        """Restore what `save` wrote."""
+        """Restore what `save` wrote (a full PEFT adapter: loads at any TP size)."""
         config_file = directory / ADAPTER_CONFIG
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file}: a LoRA checkpoint needs its adapter config")
@@ -221,28 +315,49 @@ class MegatronLora:
         )
 
 
+def _tp_of(tp: int) -> LoraTp:
+    if tp == 1:
+        return LoraTp()
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() != tp:
+        raise RuntimeError(
+            f"LoRA at tp={tp}: Megatron's parallel state has TP size "
+            f"{parallel_state.get_tensor_model_parallel_world_size()}"
+        )
+    return LoraTp(
+        tp,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+
+
 def inject(
     module: nn.Module, shape: DenseShape, spec: LoraSpec, *, tp: int, base_model_path: str
 ) -> MegatronLora:
-    """Freeze `module` (a GPTModel) and add `spec`'s adapters; deterministic in `spec.seed`."""
-    if tp != 1:
-        raise CapabilityError(
-            f"LoRA rank {spec.rank} with local.megatron tp={tp}: the megatron engine's adapters "
-            "are not tensor-parallel yet; use tp=1 or local.trainer_engine=torch for LoRA"
-        )
+    """Freeze `module` (a GPTModel, this rank's TP shard) and add `spec`'s adapters (this rank's
+    parts at TP > 1: Megatron's parallel state must be initialised); deterministic in
+    `spec.seed` and the same full adapter at every TP size."""
     sites = (_ATTN if spec.train_attn else ()) + (_MLP if spec.train_mlp else ())
     if not sites and not spec.train_unembed:
         raise ValueError("LoRA needs at least one of train_mlp, train_attn, train_unembed")
+    rank_tp = _tp_of(tp)
     for param in module.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(spec.seed or 0)
     device = next(module.parameters()).device
     dims = _dims(shape)
+    local = lshard.local_shape(shape, tp)
     by_hf: dict[str, tuple[LoraDelta, str]] = {}
 
     def attach(linear: nn.Module, hf_prefix: str, targets: tuple[str, ...]) -> None:
         delta = LoraDelta(
-            {t: dims[t] for t in targets}, spec.rank, _fuser(shape, targets), generator, device
+            {t: dims[t] for t in targets},
+            spec.rank,
+            _fuser(local, targets),
+            generator,
+            device,
+            rank_tp,
         )
         linear.add_module(LORA_CHILD, delta)
         linear.register_forward_hook(_add_delta)
@@ -255,4 +370,4 @@ def inject(
             attach(linear, f"model.layers.{i}.{site.hf}.", site.targets)
     if spec.train_unembed:
         attach(module.get_submodule("output_layer"), "", ("lm_head",))
-    return MegatronLora(spec, base_model_path, by_hf)
+    return MegatronLora(spec, base_model_path, by_hf, rank_tp)
