@@ -1,0 +1,310 @@
+"""CPU check (gloo, float32) of the megatron engine's LoRA at tensor-parallel size > 1.
+
+    PYTHONPATH=/tmp/msite .venv/bin/python scripts/device/check_megatron_lora_tp_cpu.py [--tp 2]
+
+(megatron-core installed with `pip install --no-deps --target /tmp/msite .w1/megatron_core*.whl`.)
+A tiny random Qwen3 (GQA, QK-norm; `--untied` for a separate lm_head) with LoRA on every target
+(q/k/v/o, gate/up/down, lm_head) at TP = 1 (`MegatronTrainerEngine`) and TP = `--tp`
+(`megatron_group` → `megatron_lora_tp.MegatronLoraTpRank`, ranks on gloo), each in its own
+subprocess (one torch.distributed world per process). Both start from the same random non-zero
+adapter (B != 0, loaded through the LoRA checkpoint path, so A's gradients and the adapters' place
+in the fused outputs count from the first step) and run the same calls:
+forward_backward (cross_entropy, then importance_sampling, accumulating) → every adapter
+gradient (split parts gathered) → optim_step (grad norm) → adapter() → forward_only logprobs →
+merged hf_weights → save_state with optimizer → one more step → load_state → the same step again
+(must repeat it). At TP > 1 also: loading the TP = 1 checkpoint with its optimizer is refused with
+the reason (and the group stays usable), without the optimizer it loads.
+
+CPU shims, here only (never in product code): Megatron's DDP and optimizer allocate a few scalars
+on "cuda", wait on CUDA streams and check `param.type()` against `torch.cuda.*Tensor`; RoPE moves
+its frequencies to `torch.cuda.current_device()`. The patches below map those to the CPU for every
+rank (spawned ranks import this file as their main module, so the patches reach them too).
+"""
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _cpu(device):
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return "cpu"
+    return device
+
+
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def inner(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return inner
+
+
+for _name in ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like", "arange"):
+    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
+torch.cuda.current_device = lambda: "cpu"
+_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):  # Megatron's optimizers accept torch.cuda.* only
+    out = _tensor_type(self, *args, **kwargs)
+    if not args and not kwargs and out.startswith("torch.") and not out.startswith("torch.cuda."):
+        return out.replace("torch.", "torch.cuda.", 1)
+    return out
+
+
+class _NoStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+torch.Tensor.type = _cuda_type_name
+torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+
+from oneloop.backends.megatron_local.engines import megatron_lora_shard as lshard  # noqa: E402
+from oneloop.backends.megatron_local.engines.megatron_trainer import (  # noqa: E402
+    MegatronTrainerEngine,
+)
+
+RANK = 4
+ADAM = dict(
+    learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=0.0
+)
+LOSSES = ("cross_entropy", "importance_sampling")
+
+
+def _dump_lora_grads(self, path: str) -> None:
+    """Full adapter gradients (split parts all-gathered; a collective at TP > 1); rank 0 writes."""
+    grads = {}
+    for name, (delta, target) in self.lora.by_hf.items():
+        for part, params in ((lshard.LORA_A, delta.lora_A), (lshard.LORA_B, delta.lora_B)):
+            grad = params[target].main_grad.detach().clone()
+            if delta.tp.size > 1 and lshard.split_dim(target, part) is not None:
+                shards = [torch.empty_like(grad) for _ in range(delta.tp.size)]
+                torch.distributed.all_gather(shards, grad.contiguous(), group=delta.tp.group)
+                grad = lshard.gather_part(target, part, shards)
+            grads[f"{name}.{part}"] = grad.float().numpy()
+    if getattr(self, "rank", 0) == 0:
+        np.savez(path, **grads)
+
+
+MegatronTrainerEngine._dump_lora_grads = _dump_lora_grads
+
+
+def _tiny_model(directory: Path, tied: bool) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if not (directory / "config.json").is_file():
+        config = Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=tied,
+            max_position_embeddings=256,
+        )
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _start_adapter(work: Path, model: Path) -> Path:
+    """A random non-zero adapter of every target (PEFT directory + engine state at step 0),
+    built by the TP = 1 engine's own export so the names and shapes are the engine's."""
+    from oneloop.backends.megatron_local.engines.base import LoraAdapter
+
+    names = json.loads((work / "names.json").read_text())
+    rng = np.random.default_rng(7)
+    tensors = {k: (rng.standard_normal(shape) * 0.05).astype(np.float32) for k, shape in names}
+    targets = sorted({k.split(".")[-3] for k, _ in names})
+    out = work / "start"
+    LoraAdapter(RANK, 32, tuple(targets), tensors).write_peft(out, str(model))
+    (out / "engine.json").write_text('{"steps": 0}')
+    return out
+
+
+def _batch(seed: int, loss: str):
+    from oneloop.backends.megatron_local.engines.base import DatumArrays
+
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in (20, 13, 7, 17):
+        tokens = rng.integers(0, 128, n + 1)
+        inputs = {"weights": (rng.random(n) > 0.2).astype(np.float32)}
+        if loss == "importance_sampling":
+            inputs = {
+                "logprobs": rng.normal(-5.0, 0.5, n).astype(np.float32),
+                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
+            }
+        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
+    return data
+
+
+def _run(tp: int, work: Path, tied: bool) -> None:
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+
+    model = _tiny_model(work / "model", tied)
+    spec = LoraSpec(RANK, seed=3)
+    kwargs = dict(dtype="float32", device="cpu", parallel=MegatronParallel(tp=tp))
+    if tp == 1:
+        engine = MegatronTrainerEngine(model, spec, **kwargs)
+
+        def call(method, *args):
+            return getattr(engine, method)(*args)
+
+        init = engine.adapter()
+        np.savez(work / "init1.npz", **init.tensors)
+        names = [(k, list(v.shape)) for k, v in sorted(init.tensors.items())]
+        (work / "names.json").write_text(json.dumps(names))
+    else:
+        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
+
+        engine = MegatronGroupEngine(model, spec, timeout_s=300, **kwargs)
+        call = engine._call
+        np.savez(work / f"init{tp}.npz", **engine.adapter().tensors)
+    engine.load_state(_start_adapter(work, model), with_optimizer=False)
+    out: dict[str, np.ndarray] = {}
+    for loss in LOSSES:
+        result = engine.forward_backward(_batch(1, loss), loss, None, forward_only=False)
+        out[f"loss_{loss}"] = np.float64(result.loss)
+        out[f"lp_{loss}"] = np.concatenate(result.logprobs)
+    call("_dump_lora_grads", str(work / f"grads{tp}.npz"))
+    out["grad_norm"] = np.float64(engine.optim_step(ADAM)["grad_norm:mean"])
+    adapter = engine.adapter()
+    out.update({f"adapter/{k}": v for k, v in adapter.tensors.items()})
+    after = engine.forward_backward(_batch(1, "cross_entropy"), "cross_entropy", None, True)
+    out["lp_after_step"] = np.concatenate(after.logprobs)
+    out.update({f"hf/{k}": v.float().numpy() for k, v in engine.hf_weights().items()})
+    ckpt = work / f"ckpt{tp}"
+    engine.save_state(ckpt, with_optimizer=True)
+    (work / f"files{tp}.json").write_text(json.dumps(sorted(p.name for p in ckpt.iterdir())))
+    data = _batch(2, "cross_entropy")
+    engine.forward_backward(data, "cross_entropy", None, forward_only=False)
+    engine.optim_step(ADAM)
+    stepped = engine.adapter().tensors
+    engine.load_state(ckpt, with_optimizer=True)
+    restored = engine.adapter().tensors
+    out["resume_restore_abs_diff_max"] = np.float64(
+        max(np.abs(restored[k] - v).max() for k, v in adapter.tensors.items())
+    )
+    engine.forward_backward(data, "cross_entropy", None, forward_only=False)
+    engine.optim_step(ADAM)
+    again = engine.adapter().tensors
+    out["resume_step_abs_diff_max"] = np.float64(
+        max(np.abs(again[k] - v).max() for k, v in stepped.items())
+    )
+    if tp > 1:
+        try:
+            engine.load_state(work / "ckpt1", with_optimizer=True)
+            out["mismatch_refused"] = np.str_("not refused")
+        except ValueError as error:
+            out["mismatch_refused"] = np.str_(str(error))
+        engine.load_state(work / "ckpt1", with_optimizer=False)  # the adapter loads at any TP
+        loaded = engine.adapter().tensors
+        saved = np.load(work / "tp1.npz")
+        out["tp1_ckpt_adapter_abs_diff_max"] = np.float64(
+            max(np.abs(loaded[k] - saved[f"adapter/{k}"]).max() for k in loaded)
+        )
+        engine.close()
+    np.savez(work / f"tp{tp}.npz", **out)
+
+
+def _compare(work: Path, tp: int) -> tuple[dict, bool]:
+    one, many = np.load(work / "tp1.npz"), np.load(work / f"tp{tp}.npz")
+    g1, gn = np.load(work / "grads1.npz"), np.load(work / f"grads{tp}.npz")
+    i1, i_n = np.load(work / "init1.npz"), np.load(work / f"init{tp}.npz")
+
+    def gap(prefix: str) -> float:
+        keys = [k for k in one.files if k.startswith(prefix)]
+        assert keys and sorted(keys) == sorted(k for k in many.files if k.startswith(prefix))
+        return max(float(np.abs(one[k] - many[k]).max()) for k in keys)
+
+    figures: dict = {
+        "init_adapter_abs_diff_max": max(float(np.abs(i1[k] - i_n[k]).max()) for k in i1.files),
+        "grad_rel_diff_max": max(
+            float(np.abs(g1[k] - gn[k]).max() / (np.abs(g1[k]).max() + 1e-12)) for k in g1.files
+        ),
+        "grad_norm_tp1": float(one["grad_norm"]),
+        f"grad_norm_tp{tp}": float(many["grad_norm"]),
+        "adapter_after_step_abs_diff_max": gap("adapter/"),
+        "logprob_after_step_abs_diff_max": gap("lp_after_step"),
+        "merged_hf_abs_diff_max": gap("hf/"),
+        "checkpoint_files_tp1": json.loads((work / "files1.json").read_text()),
+        f"checkpoint_files_tp{tp}": json.loads((work / f"files{tp}.json").read_text()),
+        f"resume_restore_abs_diff_max_tp{tp}": float(many["resume_restore_abs_diff_max"]),
+        f"resume_step_abs_diff_max_tp{tp}": float(many["resume_step_abs_diff_max"]),
+        "resume_step_abs_diff_max_tp1": float(one["resume_step_abs_diff_max"]),
+        "tp1_ckpt_adapter_abs_diff_max": float(many["tp1_ckpt_adapter_abs_diff_max"]),
+        "tp_mismatch_refusal": str(many["mismatch_refused"]),
+    }
+    for loss in LOSSES:
+        figures[f"{loss}_loss_tp1"] = float(one[f"loss_{loss}"])
+        figures[f"{loss}_loss_tp{tp}"] = float(many[f"loss_{loss}"])
+        figures[f"{loss}_logprob_abs_diff_max"] = gap(f"lp_{loss}")
+    files_1 = set(figures["checkpoint_files_tp1"]) - {"optimizer.pt"}
+    files_n = {f for f in figures[f"checkpoint_files_tp{tp}"] if not f.startswith("optimizer.")}
+    checks = {
+        "init": figures["init_adapter_abs_diff_max"] == 0.0,
+        "loss": all(
+            abs(figures[f"{x}_loss_tp1"] - figures[f"{x}_loss_tp{tp}"])
+            < 1e-4 * abs(figures[f"{x}_loss_tp1"])
+            for x in LOSSES
+        ),
+        "logprobs": all(figures[f"{x}_logprob_abs_diff_max"] < 1e-4 for x in LOSSES),
+        "grads": figures["grad_rel_diff_max"] < 1e-4,
+        "grad_norm": abs(figures["grad_norm_tp1"] - figures[f"grad_norm_tp{tp}"])
+        < 1e-5 * figures["grad_norm_tp1"],
+        "adapter": figures["adapter_after_step_abs_diff_max"] < 1e-5,
+        "after_step": figures["logprob_after_step_abs_diff_max"] < 1e-4,
+        "merged": figures["merged_hf_abs_diff_max"] < 1e-5,
+        "ckpt_layout": files_1 == files_n
+        and {f"optimizer.tp{tp}.rank{r}.pt" for r in range(tp)}
+        <= set(figures[f"checkpoint_files_tp{tp}"]),
+        "resume": figures[f"resume_restore_abs_diff_max_tp{tp}"] == 0.0
+        and figures[f"resume_step_abs_diff_max_tp{tp}"] < 1e-6
+        and figures["resume_step_abs_diff_max_tp1"] < 1e-6,
+        "cross_tp_adapter_load": figures["tp1_ckpt_adapter_abs_diff_max"] == 0.0,
+        "mismatch_refused": "saved at local.megatron.tp=1" in figures["tp_mismatch_refusal"],
+    }
+    figures["checks_failed"] = [k for k, ok in checks.items() if not ok]
+    return figures, all(checks.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
+    parser.add_argument("--only", type=int, help=argparse.SUPPRESS)  # one TP size, into --work
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.only is not None:
+        _run(args.only, args.work, tied=not args.untied)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="megatron-lora-tp-cpu-"))
+    for tp in (1, args.tp):
+        cmd = [sys.executable, __file__, "--only", str(tp), "--work", str(work)]
+        subprocess.run(cmd + (["--untied"] if args.untied else []), check=True, timeout=900)
+    figures, ok = _compare(work, args.tp)
+    print("RESULT megatron_lora_tp_cpu", json.dumps(figures, indent=1))
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
