@@ -98,10 +98,8 @@ def test_adapter_export_round_trips_and_checks_rank(tiny_model_path) -> None:
         wrong_rank.load_adapter(adapter)
 
 
-def test_lora_refuses_tensor_parallel_and_empty_targets() -> None:
+def test_lora_refuses_empty_targets() -> None:
     shape = DenseShape("qwen3", 1, 8, 16, 2, 1, 4, 32, True, False, True, 1e4, 1e-6, 64)
-    with pytest.raises(CapabilityError, match="tp=2"):
-        megatron_lora.inject(torch.nn.Module(), shape, LoraSpec(4), tp=2, base_model_path="")
     nothing = LoraSpec(4, train_mlp=False, train_attn=False, train_unembed=False)
     with pytest.raises(ValueError, match="at least one"):
         megatron_lora.inject(torch.nn.Module(), shape, nothing, tp=1, base_model_path="")
@@ -109,16 +107,21 @@ def test_lora_refuses_tensor_parallel_and_empty_targets() -> None:
     assert not megatron_lora.is_lora_name("decoder.layers.0.mlp.linear_fc1.weight")
 
 
-def test_local_backend_offers_megatron_lora_at_tp_1_only() -> None:
+def test_local_backend_offers_megatron_lora_at_tp_but_not_pp_or_cp() -> None:
     from oneloop.backends import capabilities
     from oneloop.backends.config import parse_backend_config
 
-    for tp in (1, 2):
+    for sizes, offered in (
+        ({"tp": 1}, True),
+        ({"tp": 2}, True),
+        ({"pp": 2}, False),
+        ({"cp": 2}, False),
+    ):
         config = parse_backend_config(
-            {"backend": "local", "local": {"trainer_engine": "megatron", "megatron": {"tp": tp}}}
+            {"backend": "local", "local": {"trainer_engine": "megatron", "megatron": sizes}}
         )
         table = capabilities(config)
-        if tp == 1:
+        if offered:
             table.check(lora_rank=16)
         else:
             with pytest.raises(CapabilityError, match="LoRA"):
