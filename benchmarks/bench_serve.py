@@ -34,7 +34,8 @@ their `sample` calls in one run (rotating order), each against the same in-proce
 sample ratio is given as median over median and as the median of per-repeat ratios.
 Usage: `python benchmarks/bench_serve.py [--tokens N] [--repeats R] [--json out.json]`;
 `--codec-only` times only the codecs (no server, no training), on a `ForwardBackwardOutput` and
-`SampleResponse`s built by the local backend's own converters from arrays of the same shapes;
+`SampleResponse`s built by the local backend's own converters from arrays of the same shapes
+(a sample response as `LocalSamplingClient` makes it, its sequences batched: `sample_batch`);
 `--sample-only` times only the `sample` calls (no training steps, no codec), for quick iteration
 on the per-call overhead (use `--repeats 20` or more: one call is ~0.2 s).
 """
@@ -62,7 +63,8 @@ from tinker.proto.response_conv import (
 
 from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.clients import datum_to_arrays, forward_output
-from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult
+from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult, SampledArrays
+from oneloop.backends.megatron_local.sample_batch import sample_response
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 from oneloop.backends.megatron_local.serve.proto import (
     decode_forward_backward,
@@ -225,20 +227,18 @@ def synthetic_output(data: list[types.Datum], seed: int = 0) -> types.ForwardBac
 def synthetic_sample(num_samples: int, max_tokens: int, ragged: bool = False,
                      seed: int = 0) -> types.SampleResponse:
     """A sample response of `num_samples` sequences of `max_tokens` tokens (`ragged`: lengths
-    drawn from [max_tokens / 2, max_tokens], as when samples stop early), `SampledSequence`s
-    with numpy fields as `LocalSamplingClient` makes them."""
+    drawn from [max_tokens / 2, max_tokens], as when samples stop early), made from engine
+    arrays by the converter `LocalSamplingClient` uses (`sample_batch.sample_response`)."""
     rng = np.random.default_rng(seed)
     lengths = (rng.integers(max(1, max_tokens // 2), max_tokens + 1, num_samples) if ragged
                else np.full(num_samples, max_tokens))  # fmt: skip
     sequences = [
-        types.SampledSequence(
-            stop_reason="stop" if ragged else "length", sequence_id=f"bench/v1/{i}",
-            tokens_np=rng.integers(300, 1000, n).astype(np.int32),
-            logprobs_np=-rng.random(n, dtype=np.float32),
-        )
-        for i, n in enumerate(lengths)
+        SampledArrays(tokens=rng.integers(300, 1000, n).astype(np.int32),
+                      logprobs=-rng.random(n, dtype=np.float32),
+                      stop_reason="stop" if ragged else "length")
+        for n in lengths
     ]  # fmt: skip
-    return types.SampleResponse(sequences=sequences)
+    return sample_response(sequences, None, "bench", 1, 0)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, bool]]:

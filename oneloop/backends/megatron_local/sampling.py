@@ -18,7 +18,7 @@ from oneloop.backends.megatron_local.actors import MissingWeightsError
 from oneloop.backends.megatron_local.engines.base import SampleOutput, SampleRequest
 from oneloop.backends.megatron_local.futures import chain_with_recovery
 from oneloop.backends.megatron_local.routing import SamplerPool
-from oneloop.backends.sequence_ids import make_sequence_id
+from oneloop.backends.megatron_local.sample_batch import sample_response
 from oneloop.errors import CapabilityError, RequestError
 
 # Attempts (about one per second) to reach a restarting sampler before a request fails.
@@ -191,16 +191,10 @@ class LocalSamplingClient:
         namespace = self.sampler_id
 
         def convert(out: SampleOutput) -> types.SampleResponse:
-            sequences = [
-                types.SampledSequence(
-                    stop_reason=seq.stop_reason,  # type: ignore[arg-type]
-                    sequence_id=make_sequence_id(namespace, out.version, first + i),
-                    tokens_np=seq.tokens,
-                    logprobs_np=seq.logprobs,
-                )
-                for i, seq in enumerate(out.sequences)
-            ]
-            return types.SampleResponse(sequences=sequences, prompt_logprobs_np=out.prompt_logprobs)
+            # batched once here; the SDK's SampledSequence objects are built on first access
+            return sample_response(
+                out.sequences, out.prompt_logprobs, namespace, out.version, first
+            )
 
         index, actor = self._pool.route(request.prompt)
         return self._call(

@@ -35,6 +35,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
+from oneloop.backends.megatron_local.sample_batch import SampledBatch, SampledSequences
 from oneloop.backends.megatron_local.serve.proto_ragged import encode_varint
 
 STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -61,6 +62,8 @@ JOIN_MIN_SEQUENCES = 5
 
 def encode_sample_response(resp: types.SampleResponse) -> bytes:
     """Serialize a `SampleResponse` the way `response_conv.deserialize_sample_response` reads it."""
+    if type(resp.sequences) is SampledSequences:
+        return _encode_batch(resp, resp.sequences.batch)
     joined = _encode_joined(resp) if _KNOWN and len(resp.sequences) >= JOIN_MIN_SEQUENCES else None
     if joined is not None:
         return joined
@@ -121,6 +124,11 @@ class _Framing(dict[tuple[int, int], tuple[bytes, bytes]]):
 
 _FRAMING = {True: _Framing(True), False: _Framing(False)}
 _FRAMING_CACHE_MAX = 1 << 16  # distinct (length, stop reason) keys kept per table
+# Whole-response framing of batches of equal sequences, per (sequences, token bytes, stop
+# reason): a sampler asks with a few shapes again and again (num_samples, max_tokens).
+_TEMPLATES: dict[tuple[int, int, str], tuple[np.ndarray, int, int]] = {}
+_TEMPLATES_MAX = 64
+_TEMPLATE_MAX_BYTES = 1 << 20  # larger responses build their framing each time (~1 us)
 
 
 def _encode_joined(resp: types.SampleResponse) -> bytes | None:
@@ -173,6 +181,54 @@ def _encode_joined(resp: types.SampleResponse) -> bytes | None:
         # a list field, an unknown stop reason, an array that is not C-contiguous: the
         # generated class takes it
         return None
+
+
+def _template(count: int, width: int, stop: str) -> tuple[np.ndarray, int, int]:
+    """`count` records of `width` token bytes and `stop`, framing written and payloads zero
+    (cached), and the payloads' offsets in a record."""
+    key = (count, width, stop)
+    found = _TEMPLATES.get(key)
+    if found is None:
+        head, between = _FRAMING[True][width >> 2, STOP_REASONS[stop]]
+        row = np.frombuffer(head + bytes(width) + between + bytes(width), np.uint8)
+        found = (np.repeat(row[None], count, axis=0), len(head), len(head) + width + len(between))
+        if count * len(row) <= _TEMPLATE_MAX_BYTES:
+            if len(_TEMPLATES) >= _TEMPLATES_MAX:
+                _TEMPLATES.clear()
+            _TEMPLATES[key] = found
+    return found
+
+
+def _encode_batch(resp: types.SampleResponse, batch: SampledBatch) -> bytes:
+    """The bytes of a response whose sequences are a `SampledBatch` (1-D int32 tokens and
+    float32 logprobs on every sequence, no top-k: `SampledBatch.of` checked them)."""
+    framing = _FRAMING[True]
+    if len(framing) > _FRAMING_CACHE_MAX:
+        framing.clear()
+    count = len(batch.stop_reasons)
+    tokens, logprobs = batch.tokens.view(np.uint8), batch.logprobs.view(np.uint8)
+    if batch.uniform:  # one record layout: a cached (sequences, record bytes) array, 2 copies
+        width = 4 * int(batch.lengths[0])
+        out, at_tokens, at_logprobs = _template(count, width, batch.stop_reasons[0])
+        out = out.copy()
+        out[:, at_tokens : at_tokens + width] = tokens.reshape(count, width)
+        out[:, at_logprobs:] = logprobs.reshape(count, width)
+        body = out.tobytes()
+    else:  # framing per sequence, joined with slices of the batch's two buffers
+        stops = map(STOP_REASONS.__getitem__, batch.stop_reasons)
+        frames = list(map(framing.__getitem__, zip(batch.lengths.tolist(), stops, strict=True)))
+        ends = (4 * batch.ends).tolist()
+        bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+        tv, lv = memoryview(tokens), memoryview(logprobs)
+        parts: list[object] = [None] * (4 * count)
+        parts[0::4] = map(_first, frames)
+        parts[1::4] = [tv[x:y] for x, y in bounds]
+        parts[2::4] = map(_second, frames)
+        parts[3::4] = [lv[x:y] for x, y in bounds]
+        body = b"".join(parts)  # type: ignore[arg-type]
+    if _has_rest(resp):
+        return body + _rest(resp).SerializeToString()
+    return body
 
 
 def _has_rest(resp: types.SampleResponse) -> bool:
