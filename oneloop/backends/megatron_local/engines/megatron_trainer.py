@@ -35,7 +35,11 @@ from safetensors.torch import load_file, save_file
 
 from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local import losses
-from oneloop.backends.megatron_local.engines import megatron_lora, megatron_speed
+from oneloop.backends.megatron_local.engines import (
+    megatron_lora,
+    megatron_offload,
+    megatron_speed,
+)
 from oneloop.backends.megatron_local.engines.base import (
     DatumArrays,
     ForwardResult,
@@ -297,12 +301,19 @@ class MegatronTrainerEngine(TrainerEngine):
             bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype,
             use_distributed_optimizer=self.parallel.use_distributed_optimizer,
-            optimizer_cpu_offload=self.parallel.optimizer_cpu_offload,
             clip_grad=NO_CLIP,
+            **megatron_offload.optimizer_config_fields(
+                self.parallel.optimizer_cpu_offload,
+                self.parallel.use_distributed_optimizer,
+                self.parallel.tp * self.parallel.pp * self.parallel.cp,
+                self.dtype,
+            ),
         )
         # config_overrides={} (not None): no weight-decay exemptions, as torch's AdamW.
         optimizer = get_megatron_optimizer(config, [ddp], config_overrides={})
-        if self.speed.fused_adam:
+        if self.parallel.optimizer_cpu_offload:  # fused_adam: no GPU part (megatron_offload)
+            megatron_offload.check_adamw(optimizer)
+        elif self.speed.fused_adam:
             megatron_speed.use_fused_adam(optimizer)
         return ddp, optimizer
 
@@ -422,34 +433,16 @@ class MegatronTrainerEngine(TrainerEngine):
         else:
             self._import_hf(load_file(str(directory / WEIGHTS_FILE)))
         # The optimizer's fp32 main params must follow the imported weights.
-        for optimizer in self._optimizers():
-            if hasattr(optimizer, "reload_model_params"):
-                optimizer.reload_model_params()
+        megatron_offload.reload_main_params(self.optimizer)
         self.steps = json.loads((directory / ENGINE_STATE_FILE).read_text())["steps"]
-        inners = [o.optimizer for o in self._optimizers()]
-        if with_optimizer and not (directory / OPTIMIZER_FILE).is_file():
-            for inner in inners:
-                inner.state.clear()  # saved before any step: fresh moments
-        elif with_optimizer:
-            saved = torch.load(directory / OPTIMIZER_FILE, weights_only=False)
-            for inner, state in zip(inners, saved, strict=True):
-                inner.load_state_dict(state["optimizer"])
-                mains = [p for group in inner.param_groups for p in group["params"]]
-                with torch.no_grad():
-                    for main, value in zip(mains, state["main_params"], strict=True):
-                        main.copy_(value.to(main.device))
+        if with_optimizer:  # no file: saved before any step, fresh moments
+            file = directory / OPTIMIZER_FILE
+            saved = torch.load(file, weights_only=False) if file.is_file() else None
+            megatron_offload.load_state(self.optimizer, saved)
 
     def _optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _optimizer_state(self) -> list[dict]:
-        """Per (chained) optimizer: the inner torch AdamW state and the fp32 main params.
-
-        Saved directly rather than through Megatron's dp-zero gather: this engine is one rank, and
-        the main params keep the fp32 precision the bf16 weights file cannot hold."""
-        state = []
-        for optimizer in self._optimizers():
-            inner = optimizer.optimizer
-            mains = [p.detach().cpu() for group in inner.param_groups for p in group["params"]]
-            state.append({"optimizer": inner.state_dict(), "main_params": mains})
-        return state
+        """Per (chained) optimizer: AdamW state and fp32 main params (`megatron_offload`)."""
+        return megatron_offload.checkpoint_state(self.optimizer)
