@@ -22,6 +22,8 @@
 #                                    adapter after a step, merged weights) + LoRA save/load
 #   mlora_tp  (nvidia-h200-x2)       megatron-engine LoRA at TP=2 vs TP=1 (loss, logprobs, grad
 #                                    norm, adapter after a step, merged weights, per-rank save/load)
+#   offload                          megatron optimizer CPU offload vs not (0.6B): loss, weights,
+#                                    state on the CPU, GPU memory after the step, save/load
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -91,5 +93,8 @@ case "$stage" in
   mlora_tp)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_lora_tp.py > "$OUT/mlora_tp.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/mlora_tp.log" | tail -20; tail -30 "$OUT/mlora_tp.log" ;;
+  offload)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_offload.py > "$OUT/offload.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/offload.log" | tail -20; tail -30 "$OUT/offload.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
