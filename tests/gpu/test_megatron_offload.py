@@ -46,8 +46,9 @@ def _weights(engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in engine.hf_weights().items()}
 
 
-def _two_steps(engine) -> dict:
-    """Loss, grad norm and step seconds of two steps; GPU memory allocated after them."""
+def _two_steps(engine, baseline: int) -> dict:
+    """Loss, grad norm and step seconds of two steps; GPU memory the engine holds after them
+    (allocated minus `baseline`, what was allocated before the engine was built)."""
     out: dict = {"loss": [], "grad_norm": [], "optim_step_s": []}
     for seed, adam in ((1, ADAM), (2, ADAM_2)):
         data = batch(seed, "cross_entropy")
@@ -57,7 +58,7 @@ def _two_steps(engine) -> dict:
         out["grad_norm"].append(engine.optim_step(adam)["grad_norm:mean"])
         torch.cuda.synchronize()
         out["optim_step_s"].append(time.perf_counter() - start)
-    out["gpu_allocated_bytes"] = torch.cuda.memory_allocated()
+    out["gpu_allocated_bytes"] = torch.cuda.memory_allocated() - baseline
     return out
 
 
@@ -66,17 +67,19 @@ def runs(tmp_path_factory):
     """The plain engine's two steps (then freed), the offloaded engine's two steps (kept)."""
     path = model_dir(tmp_path_factory.mktemp("model"))
     ckpt = tmp_path_factory.mktemp("plain-ckpt")
+    baseline = torch.cuda.memory_allocated()
     plain = _engine(path, offload=False)
     before = _weights(plain)
-    plain_run = _two_steps(plain)
+    plain_run = _two_steps(plain, baseline)
     plain_run["weights"] = _weights(plain)
     plain.save_state(ckpt, with_optimizer=True)
     plain_run["numel"] = sum(p.numel() for p in plain.module.parameters())
     del plain
     gc.collect()
     torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
     offload = _engine(path, offload=True)
-    off_run = _two_steps(offload)
+    off_run = _two_steps(offload, baseline)
     off_run["weights"] = _weights(offload)
     return {"before": before, "plain": plain_run, "offload": off_run, "engine": offload,
             "plain_ckpt": ckpt}  # fmt: skip
