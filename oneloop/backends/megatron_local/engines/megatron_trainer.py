@@ -19,7 +19,8 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
 - LoRA (rank > 0): `megatron_lora` (the `torch` engine's peft semantics on the fused linears; base
-  frozen, DDP and optimizer over the adapters only; TP = 1 and the local spec). Checkpoints of LoRA
+  frozen, DDP and optimizer over the adapters only; the local spec; TP > 1: `megatron_lora_tp`,
+  adapters split like their base linears). Checkpoints of LoRA
   runs hold the adapter (PEFT directory) instead of the full weights.
 """
 
@@ -428,6 +429,14 @@ class MegatronTrainerEngine(TrainerEngine):
         (directory / ENGINE_STATE_FILE).write_text(json.dumps({"steps": self.steps}))
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
+        saved = json.loads((directory / ENGINE_STATE_FILE).read_text())
+        saved_tp = int(saved.get("tp", 1))  # TP > 1 writes per-rank optimizer.tp{T}.rank{r}.pt
+        if with_optimizer and saved["steps"] > 0 and saved_tp != self.parallel.tp:
+            raise ValueError(
+                f"{directory}: optimizer state was saved at local.megatron.tp={saved_tp}, this "
+                f"trainer runs tp={self.parallel.tp}; resume at tp={saved_tp} or load the "
+                "weights only"
+            )
         if self.lora:
             self.lora.load(directory)
         else:
