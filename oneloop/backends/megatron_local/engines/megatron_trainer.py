@@ -19,8 +19,7 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
 - LoRA (rank > 0): `megatron_lora` (the `torch` engine's peft semantics on the fused linears; base
-  frozen, DDP and optimizer over the adapters only; the local spec; TP > 1: `megatron_lora_tp`,
-  adapters split like their base linears). Checkpoints of LoRA
+  frozen, DDP and optimizer over the adapters only; TP = 1 and the local spec). Checkpoints of LoRA
   runs hold the adapter (PEFT directory) instead of the full weights.
 """
 
@@ -335,9 +334,9 @@ class MegatronTrainerEngine(TrainerEngine):
             lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
         )
 
-    def _microbatch(
-        self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool
-    ) -> tuple["losses.LossResult", np.ndarray]:
+    def _batch_tensors(self, data: list[DatumArrays]) -> tuple[torch.Tensor, ...]:
+        """tokens, targets, mask [rows, T] (right-padded), loss inputs {key: [rows, T]} and
+        positions of one micro-batch, on the engine's device."""
         batch, seq = len(data), max(len(d.tokens) for d in data)
         tokens = np.zeros((batch, seq), np.int64)
         targets = np.zeros((batch, seq), np.int64)
@@ -355,6 +354,13 @@ class MegatronTrainerEngine(TrainerEngine):
         mask_t = torch.from_numpy(mask).to(dev, non_blocking=True)
         inputs_t = {k: torch.from_numpy(v).to(dev, non_blocking=True) for k, v in inputs.items()}
         positions = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
+        return tokens_t, targets_t, mask_t, inputs_t, positions
+
+    def _microbatch(
+        self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool
+    ) -> tuple["losses.LossResult", np.ndarray]:
+        tokens_t, targets_t, mask_t, inputs_t, positions = self._batch_tensors(data)
+        dev = self.device
         # Right padding under a causal mask: real tokens never attend to the padding after them.
         with torch.set_grad_enabled(not forward_only):
             if megatron_speed.fused_logprobs_applies(self.speed, self.module, self.parallel.tp):
@@ -429,14 +435,6 @@ class MegatronTrainerEngine(TrainerEngine):
         (directory / ENGINE_STATE_FILE).write_text(json.dumps({"steps": self.steps}))
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        saved = json.loads((directory / ENGINE_STATE_FILE).read_text())
-        saved_tp = int(saved.get("tp", 1))  # TP > 1 writes per-rank optimizer.tp{T}.rank{r}.pt
-        if with_optimizer and saved["steps"] > 0 and saved_tp != self.parallel.tp:
-            raise ValueError(
-                f"{directory}: optimizer state was saved at local.megatron.tp={saved_tp}, this "
-                f"trainer runs tp={self.parallel.tp}; resume at tp={saved_tp} or load the "
-                "weights only"
-            )
         if self.lora:
             self.lora.load(directory)
         else:

@@ -1,0 +1,256 @@
+"""CPU check (gloo, float32) of the megatron engine's pipeline parallelism before a device run.
+
+    PYTHONPATH=/tmp/msite .venv/bin/python scripts/device/check_megatron_pp_cpu.py [--no-tp]
+
+(megatron-core installed with `pip install --no-deps --target /tmp/msite .w1/megatron_core*.whl`.)
+Runs a tiny random Qwen3 (4 layers; tied and untied embeddings) through the one-process engine
+and through `megatron_group` at PP = 2 and TP = 2 × PP = 2 (each in its own subprocess: one
+torch.distributed world per process), the same calls in each: forward_backward over 5 data in 3
+token-budget micro-batches of different shapes (cross_entropy with per-token weights),
+optim_step (grad norm), hf_weights, save_state with the optimizer, a second forward_backward +
+optim_step, load_state of the checkpoint and the same second step again (the resumed weights must
+equal the uninterrupted ones), and forward_only. Compares every figure with the one-process
+engine's; the one-process engine also loads the PP = 2 checkpoint (weights only, any tp/pp), and
+the TP × PP group must refuse the PP = 2 checkpoint's optimizer state (sizes differ).
+
+Megatron-core assumes CUDA in places a CPU run meets; the shims below (this script only, every
+rank: the spawned ranks import this file as their main module) make them CPU no-ops: RoPE and the
+p2p shape buffers use `torch.cuda.current_device()`, the DDP grad sync asks for the current CUDA
+stream, GPTModel moves the tied output-layer copy with `.cuda()`, the schedule, optimizer and
+grad-norm code allocate with `device="cuda"`, and the optimizer checks `param.type()` for
+`torch.cuda.*Tensor` names.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class _NullStream:
+    def wait_event(self, *_args) -> None:
+        pass
+
+    def wait_stream(self, *_args) -> None:
+        pass
+
+
+def _cpu(device):
+    return "cpu" if device is not None and str(device).startswith("cuda") else device
+
+
+def _on_cpu(factory):
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return wrapped
+
+
+_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):
+    name = _type(self, *args, **kwargs)
+    if not args and not kwargs and name.startswith("torch.") and ".cuda." not in name:
+        return "torch.cuda." + name[len("torch.") :]
+    return name
+
+
+torch.cuda.current_device = lambda: "cpu"
+torch.cuda.current_stream = lambda *_a, **_k: _NullStream()
+torch.cuda.synchronize = lambda *_a, **_k: None
+torch.Tensor.cuda = lambda self, *_a, **_k: self
+torch.Tensor.type = _cuda_type_name
+for _name in ("zeros", "ones", "empty", "tensor", "full"):
+    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
+
+ADAM = {
+    "learning_rate": 1e-3,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "grad_clip_norm": 0.0,
+}
+BUDGET = 40  # lengths 20,13 | 7,17 | 9 → three micro-batches of shapes [2,20], [2,17], [1,9]
+SIZES = {"1": (1, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+
+
+def _tiny_model(directory: Path, tied: bool) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if not (directory / "config.json").is_file():
+        config = Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=tied,
+            max_position_embeddings=256,
+        )
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _data(seed: int):
+    from oneloop.backends.megatron_local.engines.base import DatumArrays
+
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in (20, 13, 7, 17, 9):
+        tokens = rng.integers(0, 128, n + 1)
+        weights = rng.uniform(0.0, 1.0, n).astype(np.float32)
+        data.append(DatumArrays(tokens[:-1], tokens[1:], {"weights": weights}))
+    return data
+
+
+def _flat(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, np.ndarray]:
+    return {f"{prefix}/{k}": v.detach().float().cpu().numpy().copy() for k, v in weights.items()}
+
+
+def _run(name: str, tied: bool, work: Path) -> None:
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.megatron_trainer import (
+        MegatronParallel,
+        MegatronTrainerEngine,
+    )
+
+    tp, pp = SIZES[name]
+    tag = f"{name}-{'tied' if tied else 'untied'}"
+    model = _tiny_model(work / f"model-{'tied' if tied else 'untied'}", tied)
+    kwargs = dict(
+        dtype="float32",
+        device="cpu",
+        parallel=MegatronParallel(tp=tp, pp=pp),
+        max_tokens_per_microbatch=BUDGET,
+    )
+    if name == "1":
+        engine = MegatronTrainerEngine(model, LoraSpec(0), **kwargs)
+    else:
+        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
+
+        engine = MegatronGroupEngine(model, LoraSpec(0), timeout_s=300, **kwargs)
+    first, second = _data(1), _data(2)
+    out: dict[str, np.ndarray] = {}
+    r1 = engine.forward_backward(first, "cross_entropy", None, forward_only=False)
+    out["loss1"], out["per_datum1"] = np.float64(r1.loss), np.array(r1.per_datum_loss)
+    out["lp1"] = np.concatenate(r1.logprobs)
+    assert [len(x) for x in r1.logprobs] == [len(d.tokens) for d in first]
+    out["grad_norm1"] = np.float64(engine.optim_step(ADAM)["grad_norm:mean"])
+    out.update(_flat(engine.hf_weights(), "w1"))
+    ckpt = work / f"ckpt-{tag}"
+    engine.save_state(ckpt, with_optimizer=True)
+    engine.forward_backward(second, "cross_entropy", None, forward_only=False)
+    out["grad_norm2"] = np.float64(engine.optim_step(ADAM)["grad_norm:mean"])
+    out.update(_flat(engine.hf_weights(), "w2"))
+    if name == "tp2pp2":  # the PP = 2 checkpoint's optimizer shards are refused at tp = 2
+        try:
+            engine.load_state(work / f"ckpt-pp2-{tag.split('-')[1]}", with_optimizer=True)
+            raise AssertionError("an optimizer state saved at tp=1 pp=2 was loaded at tp=2")
+        except ValueError as error:
+            assert "tp=1 pp=2" in str(error), error
+            print("refused as expected:", str(error).split(": ", 1)[1])
+    engine.load_state(ckpt, with_optimizer=True)
+    fo = engine.forward_backward(first, "cross_entropy", None, forward_only=True)
+    out["fo_loss"], out["fo_lp"] = np.float64(fo.loss), np.concatenate(fo.logprobs)
+    engine.forward_backward(second, "cross_entropy", None, forward_only=False)
+    engine.optim_step(ADAM)
+    out.update(_flat(engine.hf_weights(), "w2resumed"))
+    if name == "1":  # weights saved by the PP = 2 group load into the one-process engine
+        engine.load_state(work / f"ckpt-pp2-{tag.split('-')[1]}", with_optimizer=False)
+        cross = engine.forward_backward(first, "cross_entropy", None, forward_only=True)
+        out["cross_loss"] = np.float64(cross.loss)
+    else:
+        engine.close()
+    np.savez(work / f"{tag}.npz", **out)
+
+
+def _max_diff(a: np.lib.npyio.NpzFile, b: np.lib.npyio.NpzFile, prefix: str) -> float:
+    keys = [k for k in a.files if k.startswith(prefix + "/")]
+    assert sorted(keys) == sorted(k for k in b.files if k.startswith(prefix + "/")), prefix
+    return max(float(np.abs(a[k] - b[k]).max()) for k in keys)
+
+
+def _compare(work: Path, name: str, tied: bool) -> dict[str, float]:
+    kind = "tied" if tied else "untied"
+    one, many = np.load(work / f"1-{kind}.npz"), np.load(work / f"{name}-{kind}.npz")
+    figures = {
+        "loss_1": float(one["loss1"]),
+        f"loss_{name}": float(many["loss1"]),
+        "loss_rel_diff": abs(float(one["loss1"] - many["loss1"])) / abs(float(one["loss1"])),
+        "per_datum_loss_abs_diff_max": float(np.abs(one["per_datum1"] - many["per_datum1"]).max()),
+        "logprob_abs_diff_max": float(np.abs(one["lp1"] - many["lp1"]).max()),
+        "grad_norm_1": float(one["grad_norm1"]),
+        f"grad_norm_{name}": float(many["grad_norm1"]),
+        "grad_norm_rel_diff": abs(float(one["grad_norm1"] - many["grad_norm1"]))
+        / float(one["grad_norm1"]),
+        "weights_after_step_abs_diff_max": _max_diff(one, many, "w1"),
+        "weights_after_2_steps_abs_diff_max": _max_diff(one, many, "w2"),
+        "resume_vs_uninterrupted_abs_diff_max": max(
+            float(np.abs(many[k] - many[k.replace("w2/", "w2resumed/")]).max())
+            for k in many.files
+            if k.startswith("w2/")
+        ),
+        "forward_only_logprob_abs_diff_max": float(np.abs(one["fo_lp"] - many["fo_lp"]).max()),
+    }
+    if name == "pp2":
+        figures["pp2_checkpoint_in_one_process_loss_abs_diff"] = abs(
+            float(one["cross_loss"] - many["fo_loss"])
+        )
+    return figures
+
+
+def _ok(figures: dict[str, float]) -> bool:
+    limits = {
+        "loss_rel_diff": 1e-5,
+        "per_datum_loss_abs_diff_max": 1e-3,
+        "logprob_abs_diff_max": 1e-4,
+        "grad_norm_rel_diff": 1e-4,
+        "weights_after_step_abs_diff_max": 1e-5,
+        "weights_after_2_steps_abs_diff_max": 1e-5,
+        "resume_vs_uninterrupted_abs_diff_max": 1e-6,
+        "forward_only_logprob_abs_diff_max": 1e-4,
+        "pp2_checkpoint_in_one_process_loss_abs_diff": 1e-3,
+    }
+    return all(figures[k] <= v for k, v in limits.items() if k in figures)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--no-tp", action="store_true", help="skip TP = 2 × PP = 2 (4 ranks)")
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # one run "<size>-<tied|untied>"
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.only is not None:
+        name, kind = args.only.split("-")
+        _run(name, kind == "tied", args.work)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="megatron-pp-cpu-"))
+    names = ["pp2", "1"] + ([] if args.no_tp else ["tp2pp2"])  # pp2 first: "1" loads its ckpt
+    ok = True
+    for tied in (True, False):
+        kind = "tied" if tied else "untied"
+        for name in names:
+            cmd = [sys.executable, __file__, "--only", f"{name}-{kind}", "--work", str(work)]
+            subprocess.run(cmd, check=True, timeout=1800)
+        for name in names[:1] + names[2:]:
+            figures = _compare(work, name, tied)
+            print(f"RESULT megatron_pp_cpu {name} {kind}", json.dumps(figures))
+            ok = ok and _ok(figures)
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
