@@ -46,7 +46,10 @@ class MegatronSettings(_Strict):
     (give the actor `gpus_per_trainer` = tp GPUs); LoRA adapters are split like their base
     linears (`megatron_lora_tp`), with pp = cp = 1."""
     pp: int = Field(default=1, ge=1)
-    """Pipeline-parallel size (this release: 1; needs Megatron's pipeline schedule)."""
+    """Pipeline-parallel size: the decoder layers split evenly over pp stages (pp must divide
+    num_hidden_layers), run by megatron-core's 1F1B schedule over the token-budget micro-batches
+    (`megatron_pp`); combines with tp, the group being tp × pp ranks (`gpus_per_trainer` = tp ·
+    pp · cp); full fine-tuning only (LoRA needs pp = 1)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel size (this release: 1; needs TransformerEngine's attention)."""
     ep: int = Field(default=1, ge=1)
