@@ -17,7 +17,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.clients import datum_to_arrays
 from oneloop.backends.megatron_local.losses import REQUIRED_INPUTS
-from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread, proto_scan
+from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread, proto_batch, proto_scan
 from oneloop.backends.megatron_local.serve.proto import (
     DecodedForwardBackward,
     decode_forward_backward,
@@ -439,11 +439,11 @@ def test_large_ragged_batches_match_the_reference(body):
 
 
 def test_datum_arrays_of_a_single_flat_datum():
-    """`_datum_arrays` on flat (ragged-layout) arrays of one datum: one DatumArrays holding the
-    whole arrays (itemgetter of one slice returns the item itself, not a tuple)."""
+    """`proto_batch.datum_arrays` on flat (ragged-layout) arrays of one datum: one DatumArrays
+    holding the whole arrays (itemgetter of one slice returns the item itself, not a tuple)."""
     tokens = np.arange(3, dtype=np.int64)
     fields = {b"target_tokens": np.arange(1, 4, dtype=np.int64),
               b"weights": np.ones(3, np.float32)}  # fmt: skip
-    (datum,) = proto_scan._datum_arrays(tokens, fields, np.array([3]))
+    (datum,) = proto_batch.datum_arrays(tokens, fields, np.array([3]))
     assert datum.tokens.tolist() == [0, 1, 2] and datum.targets.tolist() == [1, 2, 3]
     assert list(datum.inputs) == ["weights"] and datum.inputs["weights"].tolist() == [1.0] * 3

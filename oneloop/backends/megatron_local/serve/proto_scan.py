@@ -32,8 +32,7 @@ inputs). Little-endian hosts only, like the reference's `np.frombuffer` reads of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
-from operator import itemgetter, sub
+from operator import sub
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +43,7 @@ from oneloop.backends.megatron_local.engines.base import DatumArrays
 from oneloop.backends.megatron_local.losses import REQUIRED_INPUTS
 
 from . import proto
+from .proto_batch import DatumList, JoinedBatch
 from .proto_ragged import ragged_layout
 from .wire import WireError
 
@@ -62,8 +62,6 @@ _DATA_TAG = 0x1A  # ForwardBackwardRequest field 3 (data), length-delimited
 # 50-200 tokens 85 us vs 98 us, 16: 106 vs 162, 64: 231 vs 543; 342 datums of 512-1024 tokens
 # ~1.3 ms vs ~2.6 ms).
 RAGGED_BATCH_MIN_DATUMS = 8
-_new = object.__new__
-_set = object.__setattr__
 
 
 class _Other(Exception):
@@ -255,18 +253,18 @@ def _arrays(
 ) -> tuple[list[DatumArrays], int]:
     starts, _, ends = records
     layout = _read_datum(body, records.payloads[0], ends[0])
-    length = _check_inputs(layout, expected)
+    _check_inputs(layout, expected)  # raises unless the first datum's inputs are the loss's
     width = ends[0] - starts[0]
     uniform = starts[1:] == ends[:-1] and set(map(sub, ends, starts)) == {width}
     same = _uniform(body, starts[0], len(starts), layout, width) if uniform else None
+    lengths: list[int] | np.ndarray | None = None  # None: 2-D arrays, one row per datum
     if same is not None:
         tokens, fields = same
-        lengths = [length] * len(starts)
     else:  # ragged, or equal widths framed otherwise (e.g. chunked otherwise)
         tokens, fields, lengths = _ragged_batch(body, records, layout) or _ragged(
             body, records, expected
         )
-    return _datum_arrays(tokens, fields, lengths), int(tokens.size)
+    return DatumList(JoinedBatch(tokens, fields, lengths)), int(tokens.size)
 
 
 def _checked_tokens(ids: np.ndarray) -> np.ndarray:
@@ -336,8 +334,8 @@ def _ragged_batch(
     # every payload's bytes as one memoryview slice (tokens of all datums, then each input)
     view = memoryview(body)
     ends = offsets + t[:, None] * itemsizes
-    cuts = map(slice, offsets.T.ravel().tolist(), ends.T.ravel().tolist())
-    views = itemgetter(*cuts)(view)  # a tuple of slices (itemgetter: no per-item iterator step)
+    bounds = zip(offsets.T.ravel().tolist(), ends.T.ravel().tolist(), strict=True)
+    views = [view[a:b] for a, b in bounds]
     tokens = _checked_tokens(np.frombuffer(b"".join(views[:count]), np.int32))
     fields = {
         name: _checked(name, np.frombuffer(
@@ -372,34 +370,3 @@ def _ragged(
         for name, p in parts.items()
     }  # fmt: skip
     return tokens, fields, lengths
-
-
-def _datum_arrays(
-    tokens: np.ndarray, fields: dict[bytes, np.ndarray], lengths: list[int] | np.ndarray
-) -> list[DatumArrays]:
-    """One `DatumArrays` per datum, every array a view of the batch's arrays; built without
-    the frozen dataclass's per-field `__setattr__` (the same fields as `DatumArrays(...)`)."""
-    targets = fields.pop(_TARGET)
-    names = [name.decode() for name in fields]
-    if tokens.ndim == 2:  # the uniform layout: one row per datum
-        columns = [list(tokens), list(targets), *(list(v) for v in fields.values())]
-    else:
-        ends = np.cumsum(lengths).tolist()
-        views = itemgetter(*map(slice, [0, *ends[:-1]], ends))
-        columns = [views(flat) for flat in (tokens, targets, *fields.values())]
-        if len(lengths) == 1:  # itemgetter of one item gives the item, not a tuple
-            columns = [[column] for column in columns]
-    if len(names) == 1:
-        name = names[0]
-        states = [
-            {"tokens": ids, "targets": target, "inputs": {name: value}}
-            for ids, target, value in zip(*columns, strict=True)
-        ]
-    else:
-        states = [
-            {"tokens": ids, "targets": target, "inputs": dict(zip(names, values, strict=True))}
-            for ids, target, *values in zip(*columns, strict=True)
-        ]
-    out = list(map(_new, repeat(DatumArrays, len(states))))
-    list(map(_set, out, repeat("__dict__"), states))  # (C-level calls, no per-datum bytecode)
-    return out
