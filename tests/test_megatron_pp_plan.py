@@ -115,3 +115,39 @@ def test_stage_parts_give_each_stage_its_layers_and_round_trip(tied: bool) -> No
     assert sorted(merged) == sorted(megatron_param_names(shape)) == sorted(mega)
     for name, tensor in mega.items():
         assert merged[name] is tensor
+
+
+def test_group_refuses_lora_and_uneven_stages_before_starting_ranks(tmp_path) -> None:
+    from transformers import Qwen3Config
+
+    from oneloop.backends.capabilities import CapabilityError
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.megatron_group import (
+        MegatronGroupEngine,
+        rank_engine_class,
+    )
+    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+
+    Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(CapabilityError, match="pp=2"):
+        MegatronGroupEngine(tmp_path, LoraSpec(4), parallel=MegatronParallel(pp=2))
+    with pytest.raises(ValueError, match="num_hidden_layers=4"):
+        MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(pp=3), device="cpu")
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(CapabilityError, match="gpus_per_trainer=4"):
+            MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=2, pp=2))
+    assert rank_engine_class(MegatronParallel(tp=2, pp=2)).__name__ == "MegatronPpRank"
+    assert rank_engine_class(MegatronParallel(tp=2)).__name__ == "MegatronTpRank"
+
+
+def test_factory_checks_gpus_per_trainer_before_building(tmp_path) -> None:
+    from oneloop.backends.config import LocalBackendConfig
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.factory import make_trainer_engine
+
+    local = LocalBackendConfig(trainer_engine="megatron", gpus_per_trainer=1, megatron={"pp": 2})
+    with pytest.raises(ValueError, match="local.gpus_per_trainer=2"):
+        make_trainer_engine(local, tmp_path, LoraSpec(0))

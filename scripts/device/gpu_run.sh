@@ -24,6 +24,8 @@
 #                                    norm, adapter after a step, merged weights, per-rank save/load)
 #   offload                          megatron optimizer CPU offload vs not (0.6B): loss, weights,
 #                                    state on the CPU, GPU memory after the step, save/load
+#   pp        (nvidia-h200-x2)       megatron engine at PP=2 vs PP=1 (loss, logprobs, grad norm,
+#                                    update cosine, forward_only, per-rank save/load; test_megatron_pp)
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -96,5 +98,8 @@ case "$stage" in
   offload)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_offload.py > "$OUT/offload.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/offload.log" | tail -20; tail -30 "$OUT/offload.log" ;;
+  pp)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_pp.py > "$OUT/pp.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/pp.log" | tail -20; tail -30 "$OUT/pp.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

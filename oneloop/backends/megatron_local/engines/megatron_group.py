@@ -121,7 +121,7 @@ def _stop_workers(workers: list[tuple[Any, Any]], timeout_s: float) -> None:
 class MegatronGroupEngine(TrainerEngine):
     """See the module docstring. Same contract as `MegatronTrainerEngine` (LoRA at TP only)."""
 
-    label = "TP"  # names ranks in errors: "TP" for a TP-only group, "group" otherwise
+    label = "TP"  # names ranks in errors: "TP" for a TP-only group, "model-parallel" otherwise
 
     def __init__(
         self,
@@ -152,7 +152,7 @@ class MegatronGroupEngine(TrainerEngine):
             )
         self.tp, self.world, self.timeout_s = tp, world, timeout_s
         if world != tp:
-            self.label = "group"
+            self.label = "model-parallel"
         self._broken: str | None = None
         address = f"tcp://127.0.0.1:{_free_port()}"
         build = dict(model_path=model_path, lora=lora, parallel=parallel, device=device)
