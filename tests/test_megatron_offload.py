@@ -16,13 +16,13 @@ from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronPar
 
 
 def test_offload_off_asks_nothing_of_megatron():
-    assert optimizer_config_fields(False, True, 1, torch.bfloat16) == {}
-    assert optimizer_config_fields(False, False, 4, torch.float32) == {}  # nothing to refuse
+    assert optimizer_config_fields(False, True, 1, {torch.bfloat16}) == {}
+    assert optimizer_config_fields(False, False, 4, {torch.float32}) == {}  # nothing to refuse
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_offload_moves_every_update_and_the_main_params_to_the_cpu(dtype):
-    fields = optimizer_config_fields(True, True, 1, dtype)
+    fields = optimizer_config_fields(True, True, 1, {dtype})
     assert fields == {
         "optimizer_cpu_offload": True,
         "optimizer_offload_fraction": 1.0,  # megatron-core's default 0.0 offloads nothing
@@ -31,18 +31,20 @@ def test_offload_moves_every_update_and_the_main_params_to_the_cpu(dtype):
 
 
 @pytest.mark.parametrize(
-    ("use_distributed_optimizer", "world", "dtype", "reason"),
+    ("use_distributed_optimizer", "world", "trained", "reason"),
     [
-        (False, 1, torch.bfloat16, "needs local.megatron.use_distributed_optimizer"),
-        (True, 2, torch.bfloat16, "tp = pp = cp = 1"),
-        (True, 1, torch.float32, "needs bfloat16/float16 weights"),
+        (False, 1, {torch.bfloat16}, "needs local.megatron.use_distributed_optimizer"),
+        (True, 2, {torch.bfloat16}, "tp = pp = cp = 1"),
+        (True, 1, {torch.float32}, "needs bfloat16/float16 trained weights"),
+        # LoRA: fp32 adapters on a bf16 model; fp32 norms without the bf16_norms switch
+        (True, 1, {torch.bfloat16, torch.float32}, "needs bfloat16/float16 trained weights"),
     ],
 )
 def test_unproven_offload_setups_are_refused_with_the_reason(
-    use_distributed_optimizer, world, dtype, reason
+    use_distributed_optimizer, world, trained, reason
 ):
     with pytest.raises(CapabilityError, match="local.megatron.optimizer_cpu_offload") as error:
-        optimizer_config_fields(True, use_distributed_optimizer, world, dtype)
+        optimizer_config_fields(True, use_distributed_optimizer, world, trained)
     assert reason in str(error.value)
 
 
@@ -53,4 +55,7 @@ def test_the_config_flag_reaches_the_engine_parallel_settings():
     parallel = MegatronParallel(**config.local.megatron.model_dump(exclude={"speed"}))
     assert parallel.optimizer_cpu_offload and parallel.use_distributed_optimizer
     world = parallel.tp * parallel.pp * parallel.cp
-    assert optimizer_config_fields(True, parallel.use_distributed_optimizer, world, torch.bfloat16)
+    fields = optimizer_config_fields(
+        True, parallel.use_distributed_optimizer, world, {torch.bfloat16}
+    )
+    assert fields["optimizer_offload_fraction"] == 1.0

@@ -15,8 +15,9 @@ What megatron-core 0.19 does, and what this module sets or adds (read from
   offload (on `optimizer.param_groups`, which are HDO's). Without TE/Apex the sub-optimizers are
   torch `AdamW` (decoupled weight decay; `check_adamw` guards it), built with `fused=True`: torch's
   fused CPU kernel. The `fused_adam` speed switch has no GPU part to apply to and is skipped.
-- bf16/fp16 weights only: with fp32 weights the distributed optimizer hands HDO views of the
-  params that autograd tracks, and torch refuses them ("can't optimize a non-leaf Tensor").
+- bf16/fp16 trained weights only: for fp32 params the distributed optimizer hands HDO views of
+  the params that autograd tracks, and torch refuses them ("can't optimize a non-leaf Tensor");
+  so no offload for LoRA (fp32 adapters) or fp32 models.
 - Weights loaded into the model: `reload_model_params` refreshes HDO's CPU fp32 copies.
 - Checkpoints: `checkpoint_state` writes, per (chained) optimizer, a torch AdamW `state_dict` and
   the fp32 main params in the optimizer's parameter order — the layout the engine writes without
@@ -46,16 +47,18 @@ _HDO_ONLY_KEYS = (  # HDO's own param-group keys; not torch AdamW's
 
 
 def optimizer_config_fields(
-    offload: bool, use_distributed_optimizer: bool, world_size: int, dtype: torch.dtype
+    offload: bool, use_distributed_optimizer: bool, world_size: int, trained: set[torch.dtype]
 ) -> dict[str, Any]:
-    """`OptimizerConfig` fields for the offload setting (empty when off); refuses the unproven."""
+    """`OptimizerConfig` fields for the offload setting (empty when off); refuses the unproven.
+    `trained`: the dtypes of the parameters the optimizer updates."""
     if not offload:
         return {}
-    if dtype not in (torch.bfloat16, torch.float16):
+    if not trained <= {torch.bfloat16, torch.float16}:
         raise CapabilityError(
-            f"local.megatron.optimizer_cpu_offload needs bfloat16/float16 weights, not {dtype}: "
-            "megatron-core 0.19 cannot offload fp32 params (it hands the CPU optimizer views of "
-            "the params, which torch refuses)"
+            f"local.megatron.optimizer_cpu_offload needs bfloat16/float16 trained weights, not "
+            f"{sorted(map(str, trained))} (fp32 LoRA adapters, fp32 norms without the bf16_norms "
+            "speed switch, an fp32 model): megatron-core 0.19 cannot offload fp32 params (it hands "
+            "the CPU optimizer views of the params, which torch refuses)"
         )
     if not use_distributed_optimizer:
         raise CapabilityError(

@@ -306,7 +306,7 @@ class MegatronTrainerEngine(TrainerEngine):
                 self.parallel.optimizer_cpu_offload,
                 self.parallel.use_distributed_optimizer,
                 self.parallel.tp * self.parallel.pp * self.parallel.cp,
-                self.dtype,
+                {p.dtype for p in self.module.parameters() if p.requires_grad},
             ),
         )
         # config_overrides={} (not None): no weight-decay exemptions, as torch's AdamW.
