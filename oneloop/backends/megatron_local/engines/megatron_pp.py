@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local import losses
-from oneloop.backends.megatron_local.engines import megatron_speed
+from oneloop.backends.megatron_local.engines import megatron_offload, megatron_speed
 from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult, LoraSpec
 from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape, megatron_to_hf
 from oneloop.backends.megatron_local.engines.megatron_pp_plan import (
@@ -145,6 +145,8 @@ class MegatronPpRank(MegatronTrainerEngine):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         config = losses.validate_loss_config(loss_fn, loss_fn_config)
+        if not data:
+            return ForwardResult([], 0.0, [], {})
         self.model.train()
         groups = pack_microbatches([len(d.tokens) for d in data], self.max_tokens_per_microbatch)
         batches = iter([[data[i] for i in group] for group in groups])
@@ -259,16 +261,12 @@ class MegatronPpRank(MegatronTrainerEngine):
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
         state = json.loads((directory / ENGINE_STATE_FILE).read_text())
         self._import_hf(load_file(str(directory / WEIGHTS_FILE)))  # full file, this rank's part
-        for optimizer in self._optimizers():
-            if hasattr(optimizer, "reload_model_params"):
-                optimizer.reload_model_params()
+        megatron_offload.reload_main_params(self.optimizer)
         self.steps = int(state["steps"])
         if not with_optimizer:
             return
-        inners = [o.optimizer for o in self._optimizers()]
-        if self.steps == 0:
-            for inner in inners:
-                inner.state.clear()  # saved before any step: fresh moments
+        if self.steps == 0:  # saved before any step: fresh moments
+            megatron_offload.load_state(self.optimizer, None)
             return
         saved = (int(state.get("tp", 1)), int(state.get("pp", 1)))
         if saved != (self.tp, self.pp):
@@ -278,9 +276,4 @@ class MegatronPpRank(MegatronTrainerEngine):
                 "saved sizes or load the weights only"
             )
         path = directory / optimizer_file(self.tp, self.pp, self.rank)
-        for inner, part in zip(inners, torch.load(path, weights_only=False), strict=True):
-            inner.load_state_dict(part["optimizer"])
-            mains = [p for group in inner.param_groups for p in group["params"]]
-            with torch.no_grad():
-                for main, value in zip(mains, part["main_params"], strict=True):
-                    main.copy_(value.to(main.device))
+        megatron_offload.load_state(self.optimizer, torch.load(path, weights_only=False))
