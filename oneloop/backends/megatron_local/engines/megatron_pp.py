@@ -167,8 +167,7 @@ class MegatronPpRank(MegatronTrainerEngine):
                 target_lp = output if fused else self._target_logprobs(output, targets)
                 result = losses.compute_loss(loss_fn, target_lp, inputs, mask, config)
                 done.append((result, target_lp.detach().float().cpu().numpy()))
-                count = torch.tensor(int(mask.sum()), dtype=torch.int, device=self.device)
-                return result.loss, count, {}
+                return result.loss, mask.sum().to(torch.int), {}  # count: unused (no finalize)
 
             return output, loss
 
