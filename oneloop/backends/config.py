@@ -59,7 +59,7 @@ class MegatronSettings(_Strict):
     optimizer_cpu_offload: bool = False
     """Keep optimizer state (fp32 main params, Adam moments) and the AdamW update of every
     parameter on the CPU (`megatron_offload`): ~12 GPU bytes a parameter saved, step time spent;
-    needs bf16/fp16 weights, the distributed optimizer and tp = pp = cp = 1."""
+    needs bf16 trained weights (no LoRA), the distributed optimizer and tp = pp = cp = 1."""
     speed: MegatronSpeedSettings = MegatronSpeedSettings()
     """Speed switches when TransformerEngine is absent (`local.megatron.speed.*`)."""
 

@@ -15,16 +15,17 @@ What megatron-core 0.19 does, and what this module sets or adds (read from
   offload (on `optimizer.param_groups`, which are HDO's). Without TE/Apex the sub-optimizers are
   torch `AdamW` (decoupled weight decay; `check_adamw` guards it), built with `fused=True`: torch's
   fused CPU kernel. The `fused_adam` speed switch has no GPU part to apply to and is skipped.
-- bf16/fp16 trained weights only: for fp32 params the distributed optimizer hands HDO views of
-  the params that autograd tracks, and torch refuses them ("can't optimize a non-leaf Tensor");
-  so no offload for LoRA (fp32 adapters) or fp32 models.
+- bf16 trained weights only: for fp32 params the distributed optimizer hands HDO views of the
+  params that autograd tracks, and torch refuses them ("can't optimize a non-leaf Tensor"), so no
+  offload for LoRA (fp32 adapters) or fp32 models; fp16 (loss scaling) is untested, refused too.
 - Weights loaded into the model: `reload_model_params` refreshes HDO's CPU fp32 copies.
 - Checkpoints: `checkpoint_state` writes, per (chained) optimizer, a torch AdamW `state_dict` and
   the fp32 main params in the optimizer's parameter order — the layout the engine writes without
   offload — so a checkpoint resumes with or without offload. HDO's own `state_dict` and
   `load_state_dict` are not used (its load path moves all state to the CPU when both sides are
   torch AdamW, and rebuilds its sub-optimizers).
-- Fractions below 1 are not offered: for the same reason HDO's load path breaks the GPU part.
+- Fractions below 1 are not offered: the GPU part (its placement, the fused_adam switch, its
+  checkpoint path) is untested.
 """
 
 from typing import Any
@@ -53,9 +54,9 @@ def optimizer_config_fields(
     `trained`: the dtypes of the parameters the optimizer updates."""
     if not offload:
         return {}
-    if not trained <= {torch.bfloat16, torch.float16}:
+    if trained != {torch.bfloat16}:
         raise CapabilityError(
-            f"local.megatron.optimizer_cpu_offload needs bfloat16/float16 trained weights, not "
+            f"local.megatron.optimizer_cpu_offload needs bfloat16 trained weights, not "
             f"{sorted(map(str, trained))} (fp32 LoRA adapters, fp32 norms without the bf16_norms "
             "speed switch, an fp32 model): megatron-core 0.19 cannot offload fp32 params (it hands "
             "the CPU optimizer views of the params, which torch refuses)"
