@@ -13,7 +13,8 @@ forward_backward (cross_entropy, then importance_sampling, accumulating) → eve
 gradient (split parts gathered) → optim_step (grad norm) → adapter() → forward_only logprobs →
 merged hf_weights → save_state with optimizer → one more step → load_state → the same step again
 (must repeat it). At TP > 1 also: loading the TP = 1 checkpoint with its optimizer is refused with
-the reason (and the group stays usable), without the optimizer it loads.
+the reason (and the group stays usable), without the optimizer it loads; and a third process at
+TP = 1 does the same with the TP > 1 checkpoint.
 
 CPU shims, here only (never in product code): Megatron's DDP and optimizer allocate a few scalars
 on "cuda", wait on CUDA streams and check `param.type()` against `torch.cuda.*Tensor`; RoPE moves
@@ -225,10 +226,31 @@ def _run(tp: int, work: Path, tied: bool) -> None:
     np.savez(work / f"tp{tp}.npz", **out)
 
 
+def _probe_tp1(work: Path, tp: int, tied: bool) -> None:
+    """TP = 1 loading the TP = `tp` checkpoint: optimizer refused, adapter loaded whole."""
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+
+    model = _tiny_model(work / "model", tied)
+    engine = MegatronTrainerEngine(model, LoraSpec(RANK, seed=3), dtype="float32", device="cpu")
+    out: dict[str, np.ndarray] = {}
+    try:
+        engine.load_state(work / f"ckpt{tp}", with_optimizer=True)
+        out["mismatch_refused"] = np.str_("not refused")
+    except ValueError as error:
+        out["mismatch_refused"] = np.str_(str(error))
+    engine.load_state(work / f"ckpt{tp}", with_optimizer=False)
+    saved = np.load(work / f"tp{tp}.npz")
+    out["adapter_abs_diff_max"] = np.float64(
+        max(np.abs(v - saved[f"adapter/{k}"]).max() for k, v in engine.adapter().tensors.items())
+    )
+    np.savez(work / "probe1.npz", **out)
+
+
 def _compare(work: Path, tp: int) -> tuple[dict, bool]:
     one, many = np.load(work / "tp1.npz"), np.load(work / f"tp{tp}.npz")
     g1, gn = np.load(work / "grads1.npz"), np.load(work / f"grads{tp}.npz")
     i1, i_n = np.load(work / "init1.npz"), np.load(work / f"init{tp}.npz")
+    probe = np.load(work / "probe1.npz")
 
     def gap(prefix: str) -> float:
         keys = [k for k in one.files if k.startswith(prefix)]
@@ -252,6 +274,8 @@ def _compare(work: Path, tp: int) -> tuple[dict, bool]:
         "resume_step_abs_diff_max_tp1": float(one["resume_step_abs_diff_max"]),
         "tp1_ckpt_adapter_abs_diff_max": float(many["tp1_ckpt_adapter_abs_diff_max"]),
         "tp_mismatch_refusal": str(many["mismatch_refused"]),
+        f"tp{tp}_ckpt_adapter_at_tp1_abs_diff_max": float(probe["adapter_abs_diff_max"]),
+        "tp_mismatch_refusal_at_tp1": str(probe["mismatch_refused"]),
     }
     for loss in LOSSES:
         figures[f"{loss}_loss_tp1"] = float(one[f"loss_{loss}"])
@@ -281,6 +305,9 @@ def _compare(work: Path, tp: int) -> tuple[dict, bool]:
         and figures["resume_step_abs_diff_max_tp1"] < 1e-6,
         "cross_tp_adapter_load": figures["tp1_ckpt_adapter_abs_diff_max"] == 0.0,
         "mismatch_refused": "saved at local.megatron.tp=1" in figures["tp_mismatch_refusal"],
+        "tpn_ckpt_at_tp1": figures[f"tp{tp}_ckpt_adapter_at_tp1_abs_diff_max"] == 0.0,
+        "mismatch_refused_at_tp1": f"saved at local.megatron.tp={tp}"
+        in figures["tp_mismatch_refusal_at_tp1"],
     }
     figures["checks_failed"] = [k for k, ok in checks.items() if not ok]
     return figures, all(checks.values())
@@ -292,14 +319,19 @@ def main() -> int:
     parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
     parser.add_argument("--only", type=int, help=argparse.SUPPRESS)  # one TP size, into --work
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--probe", type=int, help=argparse.SUPPRESS)  # TP = 1 loads ckpt{probe}
     args = parser.parse_args()
     if args.only is not None:
         _run(args.only, args.work, tied=not args.untied)
         return 0
+    if args.probe is not None:
+        _probe_tp1(args.work, args.probe, tied=not args.untied)
+        return 0
     work = Path(tempfile.mkdtemp(prefix="megatron-lora-tp-cpu-"))
-    for tp in (1, args.tp):
-        cmd = [sys.executable, __file__, "--only", str(tp), "--work", str(work)]
-        subprocess.run(cmd + (["--untied"] if args.untied else []), check=True, timeout=900)
+    tied = [] if not args.untied else ["--untied"]
+    for phase in (["--only", "1"], ["--only", str(args.tp)], ["--probe", str(args.tp)]):
+        cmd = [sys.executable, __file__, *phase, "--work", str(work), *tied]
+        subprocess.run(cmd, check=True, timeout=900)
     figures, ok = _compare(work, args.tp)
     print("RESULT megatron_lora_tp_cpu", json.dumps(figures, indent=1))
     print("OK" if ok else "MISMATCH")
