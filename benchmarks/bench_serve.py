@@ -12,7 +12,9 @@ Measures, in one run on the same machine and backend:
     `resources/training.py` does) and the server's reference decoder `decode_forward_backward`
     (to `tinker.types`, taken only for bodies the fast path declines); and the server's whole
     way from the body to the engine's arrays, what it does before the Ray call (`to_engine`:
-    `proto_scan.decode_request`, straight to `DatumArrays`), on the equal-length batch and on
+    `proto_scan.decode_request`, straight to `DatumArrays`: a `proto_batch.DatumList`, whose
+    per-datum views are made where first read, on the trainer actor after Ray unpickles the
+    joined arrays), on the equal-length batch and on
     `request_ragged` (lengths drawn from [seq_len / 2, seq_len], same token budget);
     `codec/request_fast_path` says whether each body took the fast path;
   * output (`ForwardBackwardOutput` result), a token = one target logprob (float32): the

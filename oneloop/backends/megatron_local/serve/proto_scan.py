@@ -21,6 +21,8 @@ Python per datum. `scan_forward_backward` reads the datums' bytes itself and mak
   declines, each datum is read in turn. Either way each field's payloads are then joined.
 - Values are checked per field over the batch: token ids and targets >= 0, floats finite; keys
   are exactly `target_tokens` (int64) and the loss's inputs (float32), all of the datum's length.
+- The datums are a `proto_batch.DatumList` over the joined arrays: each datum's views are made
+  when first read, and the list crosses Ray to the trainer actor as the joined arrays, once.
 
 Anything else (another form, a value the checks refuse, a malformed body) gives None, and the
 caller decodes the body on the reference path, which answers as it always did: the same
@@ -77,7 +79,7 @@ class ScannedForwardBackward:
     forward_only: bool
     loss_fn: str
     loss_fn_config: dict[str, float | str] | None
-    arrays: list[DatumArrays]
+    arrays: list[DatumArrays]  # a `proto_batch.DatumList`
     num_tokens: int
 
     def submit(self, client: Any) -> Any:
@@ -142,21 +144,24 @@ def _split(body: bytes) -> tuple[bytes, _Records]:
     payloads: list[int] = []
     ends: list[int] = []
     header: list[bytes] = []
+    add_start, add_payload, add_end = starts.append, payloads.append, ends.append
     pos, end = 0, len(body)
     while pos < end:
         start = pos
         if body[pos] == _DATA_TAG:
             byte = body[pos + 1]
             if byte < 0x80:
-                size, pos = byte, pos + 2
-            elif body[pos + 2] < 0x80:  # a record of 128 bytes to 16 KiB
-                size, pos = (byte & 0x7F) | body[pos + 2] << 7, pos + 3
+                at = pos + 2
+                pos = at + byte
+            elif (second := body[pos + 2]) < 0x80:  # a record of 128 bytes to 16 KiB
+                at = pos + 3
+                pos = at + ((byte & 0x7F) | second << 7)
             else:
-                size, pos = _varint(body, pos + 1)
-            starts.append(start)
-            payloads.append(pos)
-            pos += size
-            ends.append(pos)
+                size, at = _varint(body, pos + 1)
+                pos = at + size
+            add_start(start)
+            add_payload(at)
+            add_end(pos)
             continue
         key, pos = _varint(body, pos)
         wire_type = key & 7
