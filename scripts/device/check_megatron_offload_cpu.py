@@ -163,16 +163,28 @@ def main() -> int:
         if offload:  # the offloaded engine: state on the "CPU" side, only CPU AdamW
             hdos = megatron_offload.hybrid_optimizers(e.optimizer)
             assert hdos and all(h.gpu_optimizer is None for h in hdos), "not all offloaded"
+            assert all(h.offload_fraction == 1.0 for h in hdos)
+            copies = [
+                h.param_to_inner_param[p] is not p for h in hdos for p in h.param_to_inner_param
+            ]
+            assert copies and all(copies), "a param is updated in place, not through a CPU copy"
             e.save_state(work / "ckpt-step0", with_optimizer=True)  # before any step
         before = weights(e)
-        steps = [step(e, ADAMS[0]), step(e, ADAMS[1])]
+        steps = [step(e, ADAMS[0])]
+        after1 = weights(e)
+        steps.append(step(e, ADAMS[1]))
         after2 = weights(e)
         # One layout, offload or not; deep-copied (on CPU `.cpu()` returns the live tensors).
         state2 = copy.deepcopy(megatron_offload.checkpoint_state(e.optimizer))
         e.save_state(work / f"ckpt-{offload}", with_optimizer=True)
         steps.append(step(e, ADAMS[2]))
         runs[offload] = dict(
-            steps=steps, before=before, after2=after2, after3=weights(e), state2=state2
+            steps=steps,
+            before=before,
+            after2=after2,
+            after3=weights(e),
+            state2=state2,
+            after1=after1,
         )
         if offload:
             groups = [g for h in hdos for s in h.sub_optimizers for g in s.param_groups]
@@ -184,6 +196,9 @@ def main() -> int:
             e.load_state(work / "ckpt-step0", with_optimizer=True)
             assert not any(s.state for h in hdos for s in h.sub_optimizers), "moments not reset"
             assert max_diff(weights(e), before) == 0.0
+            # Step 1 again from the loaded weights (CPU fp32 copies refreshed, moments reset).
+            step(e, ADAMS[0])
+            restart_diff = max_diff(weights(e), runs[False]["after1"])
         del e
 
     resumed = {}
@@ -222,6 +237,7 @@ def main() -> int:
         "weights_moved_by_2_steps_max": moved,
         "weights_abs_diff_max_after_2_steps": max_diff(plain["after2"], off["after2"]),
         "weights_abs_diff_max_after_3_steps": max_diff(plain["after3"], off["after3"]),
+        "offload_restart_from_step0_ckpt_step1_weights_abs_diff_max_vs_plain": restart_diff,
         **{f"{k}_fp32_abs_diff_max_after_2_steps": state_diff(k) for k in STATE_KEYS},
         **{
             f"resume_{'offload' if s else 'plain'}_ckpt_into_{'offload' if o else 'plain'}"
@@ -237,6 +253,7 @@ def main() -> int:
         figures["grad_norm_steps_plain"], figures["grad_norm_steps_offload"], rtol=1e-3
     )
     ok = ok and all(figures[f"{k}_fp32_abs_diff_max_after_2_steps"] < 1e-6 for k in STATE_KEYS)
+    ok = ok and restart_diff < 1e-6
     ok = ok and all(r["weights_abs_diff_max"] == 0.0 for (s, o), r in resumed.items() if s == o)
     ok = ok and all(r["weights_abs_diff_max"] < 1e-2 for r in resumed.values())
     print("OK" if ok else "MISMATCH")
