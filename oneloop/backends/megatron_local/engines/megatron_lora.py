@@ -34,7 +34,10 @@ sync is needed afterwards:
   backward): the full h on every rank, the delta replicated like the base's reduced output, B's
   gradient full on every rank, A's the rank's own columns.
 Split parameters carry Megatron's `tensor_model_parallel` attributes, so its grad norm counts them
-once per rank and the replicated ones once (TP rank 0). Export (`adapter`, `merge`, `save`)
+once per rank and the replicated ones once (TP rank 0). Megatron's `finalize_model_grads` would
+leave the replicated adapters alone too (it TP-sums only QK-norm, sequence-parallel and
+`average_gradients_across_tp_domain` parameters), which is right: their gradients are complete
+(checked against TP = 1 by scripts/device/check_megatron_lora_tp_cpu.py). Export (`adapter`, `merge`, `save`)
 all-gathers the split parts: a collective every rank must call; every rank gets full tensors and
 only rank 0 writes files. The init draws the full A on every rank and keeps the rank's part, so
 TP = 1 and TP > 1 start from the same adapter for the same seed.
