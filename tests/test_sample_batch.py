@@ -158,3 +158,14 @@ def test_off_contract_engine_output_gets_plain_sdk_objects(odd):
 def test_no_sequences_gets_an_empty_list():
     resp = sample_response([], None, "s", 1, 0)
     assert resp.sequences == [] and encode_sample_response(resp) == b""
+
+
+def test_serve_checks_a_batch_version_without_building_sdk_objects():
+    from oneloop.backends.megatron_local.serve.service import _check_fixed_version
+
+    rng = np.random.default_rng(4)
+    resp = sample_response(_engine_sequences(rng, [4] * 8, ["stop"] * 8), None, "s", 2, 0)
+    _check_fixed_version(resp, 2, "s")
+    assert resp.sequences._built is None
+    with pytest.raises(RuntimeError, match=r"sequences\[0\]: .* version 3 but .* version 2"):
+        _check_fixed_version(resp, 3, "s")

@@ -36,6 +36,7 @@ import numpy as np
 import pydantic
 from tinker import types
 
+from oneloop.backends.megatron_local.sample_batch import SampledSequences
 from oneloop.backends.sequence_ids import make_sequence_id, sampled_version
 from oneloop.errors import CheckpointNotFoundError, RequestError
 
@@ -83,6 +84,8 @@ def backend_error(error: Exception) -> WireError:
 def _check_fixed_version(resp: types.SampleResponse, version: int, sampler_id: str) -> None:
     """A fixed-weights sampler's ids were acknowledged with `version` before it ran: a sample
     that reports another version would make those ids wrong, so it fails loudly instead."""
+    if isinstance(resp.sequences, SampledSequences) and resp.sequences.version == version:
+        return  # one version for the whole batch, read without building the SDK objects
     for i, seq in enumerate(resp.sequences):
         ran = sampled_version(seq)
         if ran is not None and ran != version:
