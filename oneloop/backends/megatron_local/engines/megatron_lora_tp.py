@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
+from oneloop.backends.megatron_local.engines import megatron_offload
 from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank, optimizer_file
-from oneloop.backends.megatron_local.engines.megatron_trainer import (
-    ENGINE_STATE_FILE,
-    OPTIMIZER_FILE,
-)
+from oneloop.backends.megatron_local.engines.megatron_trainer import ENGINE_STATE_FILE
 
 
 class MegatronLoraTpRank(MegatronTpRank):
@@ -60,29 +58,15 @@ class MegatronLoraTpRank(MegatronTpRank):
                 f"trainer runs tp={self.tp}; resume at tp={saved_tp} or load the adapter only"
             )
         self.lora.load(directory)  # the full adapter; each rank copies its part
-        for optimizer in self._optimizers():
-            if hasattr(optimizer, "reload_model_params"):
-                optimizer.reload_model_params()
+        megatron_offload.reload_main_params(self.optimizer)  # fp32 main params follow it
         self.steps = steps
         if not with_optimizer:
             return
-        inners = [o.optimizer for o in self._optimizers()]
-        if steps == 0:
-            for inner in inners:
-                inner.state.clear()  # saved before any step: fresh moments
+        if steps == 0:  # saved before any step: fresh moments
+            megatron_offload.load_state(self.optimizer, None)
             return
         file = directory / optimizer_file(self.tp, self.rank)
         if not file.is_file():
-            single = (
-                " (a tp=1 run's optimizer.pt is there)"
-                if (directory / OPTIMIZER_FILE).is_file()
-                else ""
-            )
-            raise FileNotFoundError(f"{file}: this rank's optimizer state is missing{single}")
-        saved = torch.load(file, weights_only=False)
-        for inner, part in zip(inners, saved, strict=True):
-            inner.load_state_dict(part["optimizer"])
-            mains = [p for group in inner.param_groups for p in group["params"]]
-            with torch.no_grad():
-                for main, value in zip(mains, part["main_params"], strict=True):
-                    main.copy_(value.to(main.device))
+            raise FileNotFoundError(f"{file}: this rank's optimizer state is missing")
+        # checkpoint_state's layout (`_optimizer_state`), as every megatron engine writes it
+        megatron_offload.load_state(self.optimizer, torch.load(file, weights_only=False))
