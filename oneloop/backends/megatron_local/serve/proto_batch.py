@@ -8,8 +8,9 @@ for 342 datums (1,026 views) 4.7 ms to pickle and 1.8 ms to unpickle, against ~3
 three joined arrays; making the views in the server (three views, two dicts and an object per
 datum) costs another ~0.35 ms. So:
 
-- `JoinedBatch` holds the joined arrays; `datums()` makes the per-datum `DatumArrays` (views of
-  them) once, all at once, and caches them.
+- `JoinedBatch` holds the joined arrays (token ids int32, as on the wire: half the bytes to
+  pickle); `datums()` makes the per-datum `DatumArrays` once, all at once (the tokens as int64,
+  the engine's dtype; every array a view of a joined one), and caches them.
 - `BatchDatum` is a `DatumArrays` that holds only (batch, index) and reads its fields from
   `batch.datums()` when first read.
 - `DatumList` is the list of a batch's `BatchDatum`s. Pickled (as Ray does with the actor call's
@@ -36,8 +37,9 @@ _set = object.__setattr__
 
 
 class JoinedBatch:
-    """Tokens (int64), targets and inputs of every datum, flat with `lengths`, or 2-D (one row
-    per datum, `lengths` None); checked by the decoder."""
+    """Tokens (int32 as on the wire, made int64 with the datums), targets and inputs of every
+    datum, flat with `lengths`, or 2-D (one row per datum, `lengths` None); checked by the
+    decoder."""
 
     __slots__ = ("_datums", "fields", "lengths", "tokens")
 
@@ -51,7 +53,8 @@ class JoinedBatch:
     def datums(self) -> list[DatumArrays]:
         """One plain `DatumArrays` per datum, its arrays views of the batch's (made once)."""
         if self._datums is None:
-            self._datums = datum_arrays(self.tokens, dict(self.fields), self.lengths)
+            tokens = self.tokens.astype(np.int64)  # the engine's dtype (the wire's is int32)
+            self._datums = datum_arrays(tokens, dict(self.fields), self.lengths)
         return self._datums
 
     def __getstate__(self) -> tuple[Any, ...]:

@@ -273,11 +273,11 @@ def _arrays(
 
 
 def _checked_tokens(ids: np.ndarray) -> np.ndarray:
-    """The int32 token ids as int64, if all are >= 0 (the reference path names the datum and
-    chunk of a negative one)."""
+    """The int32 token ids, if all are >= 0 (the reference path names the datum and chunk of a
+    negative one); `JoinedBatch` makes them int64 where the datums are made."""
     if ids.size and ids.min() < 0:
         raise _Other
-    return ids.astype(np.int64)
+    return ids
 
 
 def _checked(name: bytes, values: np.ndarray) -> np.ndarray:
