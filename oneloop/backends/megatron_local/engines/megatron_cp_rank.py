@@ -1,0 +1,243 @@
+"""One context-parallel rank of the `megatron` trainer engine (`megatron_group` drives the ranks).
+
+CP without TransformerEngine: Megatron's local spec with the core attention swapped for
+`cp_core_attention` (torch SDPA over K/V all-gathered across the CP group, `megatron_cp`). What
+differs from a TP rank (`megatron_tp.MegatronTpRank`, which this class extends, so CP × TP ranks
+shard their weights and vocabulary as TP ranks do):
+- input: each micro-batch is right-padded to a multiple of 2·cp (padding masked) and each rank
+  feeds its two chunks of tokens with their global position ids (`megatron_cp` layout);
+- loss: each rank backpropagates the Tinker loss (a SUM) of its own tokens, so the sum of the
+  ranks' gradients is the gradient of the full loss. Megatron's DDP averages over the DP×CP group
+  by default (it pre-scales by 1/dp_cp_size); `calculate_per_token_loss=True` makes that factor 1
+  (sums), which is Tinker's semantics;
+- results: every rank all-gathers the target logprobs into global order and evaluates the loss
+  on the full batch (no grad), so per-datum logprobs, losses and metrics on the driver (group
+  rank 0) are the cp = 1 engine's computation on the same values;
+- RoPE: Megatron's (it slices its tables with the same chunk layout) or, with `fused_rope`, ours
+  at the global positions;
+- checkpoint: global rank 0 writes the HF weights; every rank writes its own optimizer shard
+  (`optimizer.tp{T}.cp{C}.rank{R}.pt`, the distributed optimizer shards over DP×CP), resumable at
+  the same tp and cp only.
+Refused with the reason: LoRA (adapters under CP untested), pp > 1 together with cp > 1, the
+`cudnn` attention backend (no lower-right causal path in torch SDPA).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from oneloop.backends.capabilities import CapabilityError
+from oneloop.backends.megatron_local import losses
+from oneloop.backends.megatron_local.engines import megatron_speed
+from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
+from oneloop.backends.megatron_local.engines.megatron_cp import (
+    cp_attention,
+    gather_rows,
+    gather_sequence,
+    padded_length,
+    rank_positions,
+)
+from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
+from oneloop.backends.megatron_local.engines.megatron_trainer import (
+    ENGINE_STATE_FILE,
+    WEIGHTS_FILE,
+    MegatronParallel,
+)
+
+
+def optimizer_file(tp: int, cp: int, rank: int) -> str:
+    return f"optimizer.tp{tp}.cp{cp}.rank{rank}.pt"
+
+
+def check_cp(parallel: MegatronParallel, lora: LoraSpec, speed: megatron_speed.MegatronSpeed):
+    """Raise CapabilityError naming the setting when this CP configuration is not supported."""
+    cp = parallel.cp
+    if lora.rank > 0:
+        raise CapabilityError(
+            f"LoRA rank {lora.rank} with local.megatron.cp={cp}: LoRA under context parallelism "
+            "is not verified in the megatron engine; use cp=1 for LoRA"
+        )
+    if parallel.pp > 1:
+        raise CapabilityError(
+            f"local.megatron.cp={cp} with pp={parallel.pp}: context parallelism is not combined "
+            "with pipeline stages in this engine; use pp=1 (tp × cp)"
+        )
+    if speed.attention_backend == "cudnn":
+        raise CapabilityError(
+            f"local.megatron.cp={cp} with speed.attention_backend='cudnn': torch SDPA has no "
+            "cuDNN kernel for the lower-right causal mask CP needs; use auto, flash or efficient"
+        )
+
+
+def cp_core_attention(backend: megatron_speed.AttentionBackend, rope_theta: float | None):
+    """Megatron core-attention class for CP ranks: K/V gathered over the CP group, each local query
+    chunk causal over its global prefix; with `rope_theta`, RoPE at the global positions first."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class SdpaCpCoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
+            super().__init__(config=config)
+            self.softmax_scale = kwargs.get("softmax_scale")
+            self.cp_group = kwargs["pg_collection"].cp
+            self.backend, self.rope_theta = backend, rope_theta
+            self._tables: tuple | None = None
+
+        def _rotate(self, query, key):
+            cp, local, dim = self.cp_group.size(), query.size(0), query.size(-1)
+            seq = local * cp
+            if self._tables is None or self._tables[0].size(0) < seq:
+                self._tables = megatron_speed.rope_tables(
+                    seq, dim, float(self.rope_theta), query.device
+                )
+            positions = rank_positions(seq, cp, self.cp_group.rank(), query.device)
+            cos, sin = (t.index_select(0, positions) for t in self._tables)
+            rope = megatron_speed._rope_fn(query.device)
+            return rope(query, cos, sin), rope(key, cos, sin)
+
+        def forward(self, query, key, value, attention_mask, **kwargs):
+            if self.rope_theta is not None:
+                query, key = self._rotate(query, key)
+            key = gather_sequence(key, self.cp_group)  # [s, b, kv_heads, d], global order
+            value = gather_sequence(value, self.cp_group)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            cp, rank = self.cp_group.size(), self.cp_group.rank()
+            if self.backend == "auto":
+                out = cp_attention(q, k, v, cp, rank, scale=self.softmax_scale)
+            else:
+                with torch.nn.attention.sdpa_kernel(megatron_speed._sdpa_backends(self.backend)):
+                    out = cp_attention(q, k, v, cp, rank, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+    return SdpaCpCoreAttention
+
+
+class MegatronCpRank(MegatronTpRank):
+    """Global rank `rank` of a tp × cp group (Megatron's order: TP fastest, then CP) whose
+    torch.distributed world is already initialised."""
+
+    def __init__(
+        self, model_path: Path, lora: LoraSpec, *, parallel: MegatronParallel, rank: int, **kwargs
+    ) -> None:
+        check_cp(parallel, lora, kwargs.get("speed") or megatron_speed.MegatronSpeed())
+        self.cp, self.global_rank = parallel.cp, rank
+        self.cp_rank = (rank // parallel.tp) % parallel.cp
+        super().__init__(model_path, lora, parallel=parallel, rank=rank % parallel.tp, **kwargs)
+        from megatron.core import parallel_state
+
+        if parallel_state.get_context_parallel_rank() != self.cp_rank:
+            raise RuntimeError(
+                f"rank {rank} got CP rank {parallel_state.get_context_parallel_rank()}, "
+                f"expected {self.cp_rank}"
+            )
+
+    def _cp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
+
+    def _transformer_config(self):
+        # Sums, not averages, over DP×CP (module docstring); RoPE tables span cp × local length.
+        return dataclasses.replace(
+            super()._transformer_config(),
+            context_parallel_size=self.cp,
+            calculate_per_token_loss=True,
+        )
+
+    def _build_model(self):
+        self.te = False  # CP runs on our SDPA attention (TE's own CP attention is not wired here)
+        return super()._build_model()
+
+    def _core_attention(self):
+        theta = self.shape.rope_theta if self.speed.fused_rope else None
+        return cp_core_attention(self.speed.attention_backend, theta)
+
+    def _microbatch(
+        self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool
+    ) -> tuple["losses.LossResult", np.ndarray]:
+        batch = len(data)
+        seq = padded_length(max(len(d.tokens) for d in data), self.cp)
+        tokens = np.zeros((batch, seq), np.int64)
+        targets = np.zeros((batch, seq), np.int64)
+        mask = np.zeros((batch, seq), bool)
+        keys = sorted(data[0].inputs)
+        inputs = {k: np.zeros((batch, seq), np.float32) for k in keys}
+        for row, datum in enumerate(data):
+            n = len(datum.tokens)
+            tokens[row, :n], targets[row, :n], mask[row, :n] = datum.tokens, datum.targets, True
+            for key in keys:
+                inputs[key][row, :n] = datum.inputs[key]
+        dev = self.device
+        mine = rank_positions(seq, self.cp, self.cp_rank)
+        full_mask = torch.from_numpy(mask).to(dev)
+        full_inputs = {k: torch.from_numpy(v).to(dev) for k, v in inputs.items()}
+        tokens_t = torch.from_numpy(tokens[:, mine]).to(dev)
+        targets_t = torch.from_numpy(targets[:, mine]).to(dev)
+        mask_t = full_mask[:, mine.to(dev)]
+        inputs_t = {k: v[:, mine.to(dev)] for k, v in full_inputs.items()}
+        positions = mine.to(dev).unsqueeze(0).expand(batch, -1)
+        with torch.set_grad_enabled(not forward_only):
+            if megatron_speed.fused_logprobs_applies(self.speed, self.module, self.parallel.tp):
+                target_lp = self.model(
+                    input_ids=tokens_t,
+                    position_ids=positions,
+                    attention_mask=None,
+                    output_processor=megatron_speed.logprobs_processor(self.speed, targets_t, dev),
+                )
+            else:
+                logits = self.model(input_ids=tokens_t, position_ids=positions, attention_mask=None)
+                target_lp = self._target_logprobs(logits, targets_t)
+            if not forward_only:  # this rank's part of the summed loss
+                losses.compute_loss(loss_fn, target_lp, inputs_t, mask_t, config).loss.backward()
+        full_lp = gather_rows(target_lp.detach().float(), self._cp_group())
+        with torch.no_grad():
+            result = losses.compute_loss(loss_fn, full_lp, full_inputs, full_mask, config)
+        return result, full_lp.cpu().numpy()
+
+    # -- checkpoint (one weights file, one optimizer shard per global rank) -----------------------
+
+    def save_state(self, directory: Path, with_optimizer: bool) -> None:
+        weights = self.hf_weights()  # a collective over the TP group
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.global_rank == 0:
+            weights = {k: v.contiguous().cpu() for k, v in weights.items()}
+            if self.shape.tied:
+                weights.pop("lm_head.weight")
+            save_file(weights, str(directory / WEIGHTS_FILE))
+            state = {"steps": self.steps, "tp": self.tp, "cp": self.cp}
+            (directory / ENGINE_STATE_FILE).write_text(json.dumps(state))
+        if with_optimizer and self.steps > 0:  # before the first step there is no state to save
+            path = directory / optimizer_file(self.tp, self.cp, self.global_rank)
+            torch.save(self._optimizer_state(), path)
+
+    def load_state(self, directory: Path, with_optimizer: bool) -> None:
+        state = json.loads((directory / ENGINE_STATE_FILE).read_text())
+        self._import_hf(load_file(str(directory / WEIGHTS_FILE)))  # full file, this rank's part
+        for optimizer in self._optimizers():
+            if hasattr(optimizer, "reload_model_params"):
+                optimizer.reload_model_params()
+        self.steps = int(state["steps"])
+        if not with_optimizer:
+            return
+        inners = [o.optimizer for o in self._optimizers()]
+        if self.steps == 0:
+            for inner in inners:
+                inner.state.clear()  # saved before any step: fresh moments
+            return
+        saved = (int(state.get("tp", 1)), int(state.get("cp", 1)))
+        if saved != (self.tp, self.cp):
+            raise ValueError(
+                f"{directory}: optimizer state was saved at local.megatron tp={saved[0]} "
+                f"cp={saved[1]}, this trainer runs tp={self.tp} cp={self.cp}; resume at the "
+                "saved sizes or load the weights only"
+            )
+        path = directory / optimizer_file(self.tp, self.cp, self.global_rank)
+        for inner, part in zip(inners, torch.load(path, weights_only=False), strict=True):
+            inner.load_state_dict(part["optimizer"])
+            mains = [p for group in inner.param_groups for p in group["params"]]
+            with torch.no_grad():
+                for main, value in zip(mains, part["main_params"], strict=True):
+                    main.copy_(value.to(main.device))
