@@ -9,7 +9,9 @@ torch.distributed world per process), the same calls in each: forward_backward o
 token-budget micro-batches of different shapes (cross_entropy with per-token weights),
 optim_step (grad norm), hf_weights, save_state with the optimizer, a second forward_backward +
 optim_step, load_state of the checkpoint and the same second step again (the resumed weights must
-equal the uninterrupted ones), and forward_only. Compares every figure with the one-process
+equal the uninterrupted ones), and forward_only; the groups then get infinite loss weights (refused
+before the schedule on every rank) and huge finite ones: the step on the overflowing gradients is
+refused on every rank and the group keeps working. Compares every figure with the one-process
 engine's; the one-process engine also loads the PP = 2 checkpoint (weights only, any tp/pp), and
 the TP × PP group must refuse the PP = 2 checkpoint's optimizer state (sizes differ).
 
@@ -120,11 +122,12 @@ def _flat(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, np.ndarray
 
 
 def _run(name: str, tied: bool, work: Path) -> None:
-    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
     from oneloop.backends.megatron_local.engines.megatron_trainer import (
         MegatronParallel,
         MegatronTrainerEngine,
     )
+    from oneloop.backends.megatron_local.losses import LossInputError
 
     tp, pp = SIZES[name]
     tag = f"{name}-{'tied' if tied else 'untied'}"
@@ -171,7 +174,29 @@ def _run(name: str, tied: bool, work: Path) -> None:
         engine.load_state(work / f"ckpt-pp2-{tag.split('-')[1]}", with_optimizer=False)
         cross = engine.forward_backward(first, "cross_entropy", None, forward_only=True)
         out["cross_loss"] = np.float64(cross.loss)
-    else:
+    else:  # non-finite gradients: every rank refuses the step alike, the group stays usable
+        infinite = [DatumArrays(d.tokens, d.targets, {"weights": d.inputs["weights"] * np.inf})
+                    for d in first]  # fmt: skip
+        try:  # refused by every rank before the schedule (the last stage alone would hang it)
+            engine.forward_backward(infinite, "cross_entropy", None, forward_only=False)
+            raise AssertionError("infinite loss weights were accepted")
+        except LossInputError as error:
+            print("refused as expected:", error)
+        huge = [
+            DatumArrays(d.tokens, d.targets, {"weights": np.full_like(d.inputs["weights"], 3e38)})
+            for d in first
+        ]  # finite inputs, overflowing gradients
+        engine.forward_backward(huge, "cross_entropy", None, forward_only=False)
+        try:
+            engine.optim_step(ADAM)
+            raise AssertionError("a step on non-finite gradients was taken")
+        except RuntimeError as error:
+            assert "non-finite" in str(error), error
+            print("refused as expected:", error)
+        again = engine.forward_backward(first, "cross_entropy", None, forward_only=True)
+        out["after_refusal_loss"] = np.float64(again.loss)
+        engine.forward_backward(second, "cross_entropy", None, forward_only=False)
+        engine.optim_step(ADAM)  # grads were zeroed: a normal step again
         engine.close()
     np.savez(work / f"{tag}.npz", **out)
 
@@ -204,6 +229,9 @@ def _compare(work: Path, name: str, tied: bool) -> dict[str, float]:
         ),
         "forward_only_logprob_abs_diff_max": float(np.abs(one["fo_lp"] - many["fo_lp"]).max()),
     }
+    figures["loss_after_refused_step_abs_diff"] = abs(
+        float(many["after_refusal_loss"] - many["fo_loss"])
+    )
     if name == "pp2":
         figures["pp2_checkpoint_in_one_process_loss_abs_diff"] = abs(
             float(one["cross_loss"] - many["fo_loss"])
@@ -222,6 +250,7 @@ def _ok(figures: dict[str, float]) -> bool:
         "resume_vs_uninterrupted_abs_diff_max": 1e-6,
         "forward_only_logprob_abs_diff_max": 1e-4,
         "pp2_checkpoint_in_one_process_loss_abs_diff": 1e-3,
+        "loss_after_refused_step_abs_diff": 0.0,
     }
     return all(figures[k] <= v for k, v in limits.items() if k in figures)
 

@@ -145,6 +145,11 @@ class MegatronPpRank(MegatronTrainerEngine):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         config = losses.validate_loss_config(loss_fn, loss_fn_config)
+        # On every rank before any p2p: an input error raised by the last stage alone (in the loss)
+        # would leave the other stages waiting in the schedule.
+        for index, datum in enumerate(data):
+            inputs = {"target_tokens": datum.targets, **datum.inputs}
+            losses.validate_datum_inputs(loss_fn, len(datum.tokens), inputs, index)
         if not data:
             return ForwardResult([], 0.0, [], {})
         self.model.train()
