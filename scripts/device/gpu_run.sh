@@ -26,6 +26,8 @@
 #                                    state on the CPU, GPU memory after the step, save/load
 #   pp        (nvidia-h200-x2)       megatron engine at PP=2 vs PP=1 (loss, logprobs, grad norm,
 #                                    update cosine, forward_only, per-rank save/load; test_megatron_pp)
+#   cp        (nvidia-h200-x2)       megatron engine at CP=2 vs CP=1, seq 4096, no TE (loss, logprobs,
+#                                    grad norm, update cosine, forward_only, save/load; test_megatron_cp)
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -101,5 +103,8 @@ case "$stage" in
   pp)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_pp.py > "$OUT/pp.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/pp.log" | tail -20; tail -30 "$OUT/pp.log" ;;
+  cp)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_cp.py > "$OUT/cp.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/cp.log" | tail -20; tail -30 "$OUT/cp.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
