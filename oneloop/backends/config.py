@@ -51,7 +51,8 @@ class MegatronSettings(_Strict):
     (`megatron_pp`); combines with tp, the group being tp × pp ranks (`gpus_per_trainer` = tp ·
     pp · cp); full fine-tuning only (LoRA needs pp = 1)."""
     cp: int = Field(default=1, ge=1)
-    """Context-parallel size (this release: 1; needs TransformerEngine's attention)."""
+    """Context-parallel size: each sequence split over cp ranks (Megatron's 2·cp-chunk layout, K/V
+    all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel size (this release: 1; waits for MoE models in the megatron engine)."""
     use_distributed_optimizer: bool = True

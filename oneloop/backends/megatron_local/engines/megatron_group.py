@@ -49,6 +49,10 @@ _POLL_S = 0.5
 
 def rank_engine_class(parallel: MegatronParallel, lora_rank: int = 0) -> type:
     """The engine class every rank of a group with these sizes runs (one place to extend)."""
+    if parallel.cp > 1:  # tp × cp; refuses pp > 1 with the reason (megatron_cp_rank.check_cp)
+        from oneloop.backends.megatron_local.engines.megatron_cp_rank import MegatronCpRank
+
+        return MegatronCpRank
     if parallel.pp > 1:
         from oneloop.backends.megatron_local.engines.megatron_pp import MegatronPpRank
 

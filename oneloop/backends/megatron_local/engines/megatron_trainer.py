@@ -14,12 +14,14 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
 - Parallelism: one object is one rank. TP > 1: `megatron_group.MegatronGroupEngine` starts the
   other ranks and drives them, `megatron_tp.MegatronTpRank` (this class plus the shard maps) is each
   rank; PP > 1: `megatron_pp.MegatronPpRank` is each rank (one pipeline stage, Megatron's
-  schedule). CP and EP > 1 are refused with the reason (`REFUSED_PARALLEL`).
+  schedule); CP > 1: `megatron_cp_rank.MegatronCpRank` is each rank (tp × cp; K/V all-gathered
+  over the CP group into our SDPA attention, no TE). EP > 1 is refused (`REFUSED_PARALLEL`).
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
 - LoRA (rank > 0): `megatron_lora` (the `torch` engine's peft semantics on the fused linears; base
-  frozen, DDP and optimizer over the adapters only; TP = 1 and the local spec). Checkpoints of LoRA
+  frozen, DDP and optimizer over the adapters only; the local spec; TP > 1: `megatron_lora_tp`,
+  adapters split like their base linears). Checkpoints of LoRA
   runs hold the adapter (PEFT directory) instead of the full weights.
 """
 
@@ -61,7 +63,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 ENGINE_STATE_FILE = "engine.json"
 NO_CLIP = 1e30  # clip_grad this large never clips but makes Megatron report the grad norm
 REFUSED_PARALLEL = {  # sizes > 1 not built yet, and why (TP, PP > 1: megatron_group)
-    "cp": "context parallelism needs TransformerEngine's attention, which this install lacks",
     "ep": "expert parallelism waits for MoE models (this engine runs dense Qwen3/Qwen2/Llama)",
 }
 
@@ -220,12 +221,7 @@ class MegatronTrainerEngine(TrainerEngine):
             spec = specs.get_gpt_layer_local_spec(
                 normalization="RMSNorm", qk_layernorm=self.shape.qk_norm
             )
-            spec.submodules.self_attention.submodules.core_attention = (
-                megatron_speed.sdpa_core_attention(
-                    self.speed.attention_backend,
-                    rope_theta=self.shape.rope_theta if self.speed.fused_rope else None,
-                )
-            )
+            spec.submodules.self_attention.submodules.core_attention = self._core_attention()
         model = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -241,6 +237,13 @@ class MegatronTrainerEngine(TrainerEngine):
         if self.speed.bf16_norms:
             megatron_speed.cast_norms(model, self.dtype)
         return model.to(self.device)
+
+    def _core_attention(self):
+        """The local spec's core attention: torch SDPA (CP ranks: megatron_cp_rank)."""
+        return megatron_speed.sdpa_core_attention(
+            self.speed.attention_backend,
+            rope_theta=self.shape.rope_theta if self.speed.fused_rope else None,
+        )
 
     def _params_by_hf_layout(self) -> dict[str, torch.nn.Parameter]:
         """Module parameters keyed by their local-spec names (TE names mapped back)."""
@@ -435,6 +438,14 @@ class MegatronTrainerEngine(TrainerEngine):
         (directory / ENGINE_STATE_FILE).write_text(json.dumps({"steps": self.steps}))
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
+        saved = json.loads((directory / ENGINE_STATE_FILE).read_text())
+        saved_tp = int(saved.get("tp", 1))  # TP > 1 writes per-rank optimizer.tp{T}.rank{r}.pt
+        if with_optimizer and saved["steps"] > 0 and saved_tp != self.parallel.tp:
+            raise ValueError(
+                f"{directory}: optimizer state was saved at local.megatron.tp={saved_tp}, this "
+                f"trainer runs tp={self.parallel.tp}; resume at tp={saved_tp} or load the "
+                "weights only"
+            )
         if self.lora:
             self.lora.load(directory)
         else:
