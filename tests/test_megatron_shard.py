@@ -126,7 +126,7 @@ def test_parallel_sizes_not_built_are_refused_with_the_reason() -> None:
     cpu = torch.device("cpu")
     for sizes, reason in (
         ({"pp": 2}, "megatron_group"),  # PP ranks too
-        ({"cp": 2}, "TransformerEngine"),
+        ({"cp": 2}, "megatron_group"),  # CP ranks too (megatron_cp_rank)
         ({"ep": 2}, "MoE"),
         ({"tp": 2}, "megatron_group"),  # TP ranks exist only when the group engine starts them
     ):
