@@ -150,7 +150,7 @@ def _data(loss: str):
     return data
 
 
-def _run(tp: int, cp: int, fused_rope: bool, work: Path) -> None:
+def _run(tp: int, cp: int, fused_rope: bool, step: bool, work: Path) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
 
@@ -184,7 +184,7 @@ def _run(tp: int, cp: int, fused_rope: bool, work: Path) -> None:
         }
         out[f"{loss}_lp"] = [x.tolist() for x in result.logprobs]
     tag = f"tp{tp}cp{cp}"
-    if tp == 1:
+    if step:
         out["step"] = engine.optim_step(ADAM)
         call(str(work / f"grads_{tag}.npz"))
     after = engine.forward_backward(_data("cross_entropy"), "cross_entropy", None, True)
@@ -192,7 +192,7 @@ def _run(tp: int, cp: int, fused_rope: bool, work: Path) -> None:
     np.savez(work / f"weights_{tag}.npz", **{k: v.numpy() for k, v in engine.hf_weights().items()})
     engine.save_state(work / f"ckpt_{tag}", with_optimizer=True)
     engine.forward_backward(_data("ppo"), "ppo", None, forward_only=False)
-    if tp == 1:
+    if step:
         engine.optim_step(ADAM)  # moves the weights; load_state must bring them back
     engine.load_state(work / f"ckpt_{tag}", with_optimizer=True)
     again = engine.forward_backward(_data("cross_entropy"), "cross_entropy", None, True)
@@ -270,18 +270,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--only", help=argparse.SUPPRESS)  # "tp,cp,fused_rope", into --work
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # "tp,cp,fused_rope[,step]" → --work
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.only is not None:
-        tp, cp, fused = (int(x) for x in args.only.split(","))
-        _run(tp, cp, bool(fused), args.work)
+        tp, cp, fused, *step = (int(x) for x in args.only.split(","))
+        _run(tp, cp, bool(fused), bool(step[0]) if step else tp == 1, args.work)
         return 0
     all_ok = True
     for fused in (0, 1):
         work = Path(tempfile.mkdtemp(prefix="megatron-cp-cpu-"))
         for tp, cp in ((1, 1), (args.tp, args.cp)):
-            cmd = [sys.executable, __file__, "--only", f"{tp},{cp},{fused}", "--work", str(work)]
+            only = f"{tp},{cp},{fused},{int(args.tp == 1)}"  # the stand-in optimizer: TP = 1
+            cmd = [sys.executable, __file__, "--only", only, "--work", str(work)]
             subprocess.run(cmd, check=True, timeout=900)
         figures = _compare(work, f"tp{args.tp}cp{args.cp}")
         ok = _ok(figures)
