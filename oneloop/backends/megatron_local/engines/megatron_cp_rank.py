@@ -174,8 +174,9 @@ class MegatronCpRank(MegatronTpRank):
         mine = rank_positions(seq, self.cp, self.cp_rank)
         full_mask = torch.from_numpy(mask).to(dev)
         full_inputs = {k: torch.from_numpy(v).to(dev) for k, v in inputs.items()}
-        tokens_t = torch.from_numpy(tokens[:, mine]).to(dev)
-        targets_t = torch.from_numpy(targets[:, mine]).to(dev)
+        # contiguous: numpy's column gather may return non-C-ordered rows (vocab-parallel CE views)
+        tokens_t = torch.from_numpy(np.ascontiguousarray(tokens[:, mine.numpy()])).to(dev)
+        targets_t = torch.from_numpy(np.ascontiguousarray(targets[:, mine.numpy()])).to(dev)
         mask_t = full_mask[:, mine.to(dev)]
         inputs_t = {k: v[:, mine.to(dev)] for k, v in full_inputs.items()}
         positions = mine.to(dev).unsqueeze(0).expand(batch, -1)
