@@ -169,3 +169,14 @@ def test_serve_checks_a_batch_version_without_building_sdk_objects():
     assert resp.sequences._built is None
     with pytest.raises(RuntimeError, match=r"sequences\[0\]: .* version 3 but .* version 2"):
         _check_fixed_version(resp, 3, "s")
+
+
+def test_serve_ack_reads_a_batch_version_without_building_sdk_objects():
+    from oneloop.backends.megatron_local.serve.sample_versions import sampled_versions
+
+    rng = np.random.default_rng(5)
+    resp = sample_response(_engine_sequences(rng, [3, 5, 2], ["stop"] * 3), None, "s", 7, 0)
+    assert sampled_versions(resp) == [7, 7, 7]
+    assert resp.sequences._built is None
+    plain = types.SampleResponse(sequences=list(resp.sequences))  # SDK objects: read per id
+    assert sampled_versions(plain) == [7, 7, 7]

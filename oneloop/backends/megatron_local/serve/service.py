@@ -36,13 +36,14 @@ import numpy as np
 import pydantic
 from tinker import types
 
-from oneloop.backends.megatron_local.sample_batch import SampledSequences
-from oneloop.backends.sequence_ids import make_sequence_id, sampled_version
+from oneloop.backends.sequence_ids import make_sequence_id
 from oneloop.errors import CheckpointNotFoundError, RequestError
 
 from . import proto
 from .futures import FutureStore, Job, ModelSequencer, Outcome, SeenIds, await_backend, digest
 from .proto_scan import ScannedForwardBackward
+from .sample_versions import check_fixed_version as _check_fixed_version
+from .sample_versions import sampled_versions
 from .state import CheckpointStore, ModelSlot, Registry, SamplerSlot
 from .wire import (
     WireError,
@@ -79,20 +80,6 @@ def backend_error(error: Exception) -> WireError:
     if isinstance(error, RequestError | ValueError):
         return WireError(f"{type(error).__name__}: {error}")
     return WireError(f"backend error: {type(error).__name__}: {error}", 500)
-
-
-def _check_fixed_version(resp: types.SampleResponse, version: int, sampler_id: str) -> None:
-    """A fixed-weights sampler's ids were acknowledged with `version` before it ran: a sample
-    that reports another version would make those ids wrong, so it fails loudly instead."""
-    if isinstance(resp.sequences, SampledSequences) and resp.sequences.version == version:
-        return  # one version for the whole batch, read without building the SDK objects
-    for i, seq in enumerate(resp.sequences):
-        ran = sampled_version(seq)
-        if ran is not None and ran != version:
-            raise RuntimeError(
-                f"sequences[{i}]: sampler {sampler_id} has fixed weights of version {version} "
-                f"but the sample ran on version {ran}"
-            )
 
 
 def _settle(target: asyncio.Future[Any], source: asyncio.Future[Any] | Any) -> None:
@@ -488,7 +475,7 @@ class ServeService:
             # at once (the SDK's long poll then overlaps the sampling): its version is exact.
             await asyncio.wait({result}, timeout=self.limits.sample_ack_wait_s)
             if result.done() and not result.cancelled() and result.exception() is None:
-                done = [sampled_version(s) for s in result.result().sequences]
+                done = sampled_versions(result.result())  # the batch's one version
                 versions = [v if d is None else d for v, d in zip(versions, done, strict=False)]
         base = req.seq_id * MAX_SAMPLES_PER_REQUEST
         ids = [make_sequence_id(slot.sampler_id, v, base + i) for i, v in enumerate(versions)]
