@@ -334,22 +334,26 @@ def _ragged_batch(
     if found is None:
         return None
     t, offsets = found
-    count = len(t)
-    itemsizes = np.array([4] + [_ITEMSIZE[dtype] for _, dtype, *_ in inputs], np.int64)
-    # every payload's bytes as one memoryview slice (tokens of all datums, then each input)
+    sizes = t[:, None] * np.array([4] + [_ITEMSIZE[dtype] for _, dtype, *_ in inputs], np.int64)
     view = memoryview(body)
-    ends = offsets + t[:, None] * itemsizes
-    bounds = zip(offsets.T.ravel().tolist(), ends.T.ravel().tolist(), strict=True)
-    views = [view[a:b] for a, b in bounds]
-    tokens = _checked_tokens(np.frombuffer(b"".join(views[:count]), np.int32))
+    spans = zip(offsets.T.tolist(), (offsets + sizes).T.tolist(), strict=True)  # tokens, inputs
+    tokens = _checked_tokens(np.frombuffer(_join(b"", view, *next(spans)), np.int32))
     fields = {
         name: _checked(name, np.frombuffer(
-            bytearray().join(views[(i + 1) * count : (i + 2) * count]),  # one copy, writable
+            _join(bytearray(), view, *span),  # writable
             np.int64 if dtype == _INT64 else np.float32,
         ))
-        for i, (name, dtype, *_) in enumerate(inputs)
+        for (name, dtype, *_), span in zip(inputs, spans, strict=True)
     }  # fmt: skip
     return tokens, fields, t
+
+
+def _join(empty: bytes | bytearray, view: memoryview, starts: list[int], ends: list[int]) -> Any:
+    """The bytes view[a:b] of every (a, b) of (`starts`, `ends`), joined in one copy (into a
+    `bytes` or a `bytearray`, as `empty` is). The slices are made here and dropped on return:
+    one field's (~340 for a 256k-token batch) rather than every field's alive at once, so fewer
+    objects for the cyclic GC to count and traverse during the call."""
+    return empty.join([view[a:b] for a, b in zip(starts, ends, strict=True)])
 
 
 def _ragged(
