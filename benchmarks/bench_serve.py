@@ -31,7 +31,9 @@ Measures, in one run on the same machine and backend:
 Both paths drive twin models (same base model, LoRA rank and seed); runs alternate, and which
 path goes first alternates too. Medians are reported; codec figures by wall clock and, in
 brackets, by the thread's CPU time (the machine may be shared: wall time then also counts the
-waits for a core). `--http httptools,h11` starts one server per uvicorn HTTP parser and times
+waits for a core), each after one untimed warm-up call, with the cyclic GC on (its collections
+are timed as the server would see them; `gc`: collections per timed call) and `flt`: minor page
+faults per timed call. `--http httptools,h11` starts one server per uvicorn HTTP parser and times
 their `sample` calls in one run (rotating order), each against the same in-process calls; a
 sample ratio is given as median over median and as the median of per-repeat ratios.
 Usage: `python benchmarks/bench_serve.py [--tokens N] [--repeats R] [--json out.json]`;
@@ -46,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -116,18 +120,36 @@ def train_step(client: Any, data: list[types.Datum]) -> types.ForwardBackwardOut
     return out
 
 
-def median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+def median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float, float]:
     """Median wall seconds and median thread CPU seconds of `fn`, after a warm-up call (on a
-    shared machine the wall time also counts the time the call waited for a core)."""
-    fn()  # warm-up
+    shared machine the wall time also counts the time the call waited for a core), and the mean
+    cyclic-GC collections and minor page faults per timed call: the GC stays on and its pauses
+    are timed, as the server would see them."""
+    fn()  # warm-up (the first call also builds per-structure tables and faults its heap in)
     wall: list[float] = []
     cpu: list[float] = []
+    collections, faults = _gc_collections(), _minor_faults()
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.thread_time()
         fn()
         cpu.append(time.thread_time() - start_cpu)
         wall.append(time.perf_counter() - start)
-    return statistics.median(wall), statistics.median(cpu)
+    return (
+        statistics.median(wall),
+        statistics.median(cpu),
+        (_gc_collections() - collections) / repeats,
+        (_minor_faults() - faults) / repeats,
+    )
+
+
+def _gc_collections() -> int:
+    return sum(generation["collections"] for generation in gc.get_stats())
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this thread so far (of the process where RUSAGE_THREAD is missing)."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
 
 
 def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutput,
@@ -175,8 +197,10 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
             lambda s=sample: encode_sample_response(s), repeats)
         timings[f"{label}/sdk_decode"] = median_s(
             lambda b=sample_body: deserialize_sample_response(b), repeats)
-    seconds = {k: wall for k, (wall, _) in timings.items()}
-    cpu = {k: cpu_s for k, (_, cpu_s) in timings.items()}
+    seconds = {k: wall for k, (wall, *_) in timings.items()}
+    cpu = {k: cpu_s for k, (_, cpu_s, *_) in timings.items()}
+    per_call = {f"codec/{k}_gc_and_faults_per_call": (gcs, faults)
+                for k, (_, _, gcs, faults) in timings.items()}  # fmt: skip
     rates = {f"codec/{k}_tokens_per_s": count[k.split("/")[0]] / s for k, s in seconds.items()}
     rates |= {f"codec/{k}_cpu_tokens_per_s": count[k.split("/")[0]] / c for k, c in cpu.items()}
     trips = [("request", "sdk_encode", "serve_decode"), ("output", "serve_encode", "sdk_decode")]
@@ -184,7 +208,7 @@ def codec_throughput(data: list[types.Datum], output: types.ForwardBackwardOutpu
     for message, enc, dec in trips:
         both = seconds[f"{message}/{enc}"] + seconds[f"{message}/{dec}"]
         rates[f"codec/{message}/round_trip_tokens_per_s"] = count[message] / both
-    return {**rates, "codec/tokens": count, **sizes, "codec/request_fast_path": fast,
+    return {**rates, **per_call, "codec/tokens": count, **sizes, "codec/request_fast_path": fast,
             "codec/goal_tokens_per_s": GOAL_CODEC_TOKENS_PER_S}
 
 
@@ -213,8 +237,11 @@ def print_codec(results: dict[str, Any]) -> None:
             side = "ours" if "serve" in name else "SDK " if "sdk" in name else "both"
             cpu = results.get(f"codec/{name}_cpu_tokens_per_s")
             cpu_text = f"[{cpu / 1e6:7.1f}]" if cpu is not None else " " * 9
+            calls = results.get(f"codec/{name}_gc_and_faults_per_call")
+            calls_text = f"  gc {calls[0]:.1f} flt {calls[1]:.0f} /call" if calls else ""
             print(f"  {name:46s} [{side}] {value / 1e6:9.1f} {cpu_text} M tokens/s  "
-                  f"{'meets' if value >= goal else 'misses'} the goal ({value / goal:.2f}x)")
+                  f"{'meets' if value >= goal else 'misses'} the goal ({value / goal:.2f}x)"
+                  f"{calls_text}")
 
 
 def synthetic_output(data: list[types.Datum], seed: int = 0) -> types.ForwardBackwardOutput:
