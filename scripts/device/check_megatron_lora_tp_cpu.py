@@ -304,9 +304,9 @@ def _compare(work: Path, tp: int) -> tuple[dict, bool]:
         and figures[f"resume_step_abs_diff_max_tp{tp}"] < 1e-6
         and figures["resume_step_abs_diff_max_tp1"] < 1e-6,
         "cross_tp_adapter_load": figures["tp1_ckpt_adapter_abs_diff_max"] == 0.0,
-        "mismatch_refused": "saved at local.megatron.tp=1" in figures["tp_mismatch_refusal"],
+        "mismatch_refused": "saved at local.megatron tp=1 " in figures["tp_mismatch_refusal"],
         "tpn_ckpt_at_tp1": figures[f"tp{tp}_ckpt_adapter_at_tp1_abs_diff_max"] == 0.0,
-        "mismatch_refused_at_tp1": f"saved at local.megatron.tp={tp}"
+        "mismatch_refused_at_tp1": f"saved at local.megatron tp={tp} "
         in figures["tp_mismatch_refusal_at_tp1"],
     }
     figures["checks_failed"] = [k for k, ok in checks.items() if not ok]

@@ -23,12 +23,10 @@ Refused with the reason: LoRA (adapters under CP untested), pp > 1 together with
 """
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local import losses
@@ -43,14 +41,8 @@ from oneloop.backends.megatron_local.engines.megatron_cp import (
 )
 from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
 from oneloop.backends.megatron_local.engines.megatron_trainer import (
-    ENGINE_STATE_FILE,
-    WEIGHTS_FILE,
     MegatronParallel,
 )
-
-
-def optimizer_file(tp: int, cp: int, rank: int) -> str:
-    return f"optimizer.tp{tp}.cp{cp}.rank{rank}.pt"
 
 
 def check_cp(parallel: MegatronParallel, lora: LoraSpec, speed: megatron_speed.MegatronSpeed):
@@ -199,46 +191,3 @@ class MegatronCpRank(MegatronTpRank):
         return result, full_lp.cpu().numpy()
 
     # -- checkpoint (one weights file, one optimizer shard per global rank) -----------------------
-
-    def save_state(self, directory: Path, with_optimizer: bool) -> None:
-        weights = self.hf_weights()  # a collective over the TP group
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.global_rank == 0:
-            weights = {k: v.contiguous().cpu() for k, v in weights.items()}
-            if self.shape.tied:
-                weights.pop("lm_head.weight")
-            save_file(weights, str(directory / WEIGHTS_FILE))
-            state = {"steps": self.steps, "tp": self.tp, "cp": self.cp}
-            (directory / ENGINE_STATE_FILE).write_text(json.dumps(state))
-        if with_optimizer and self.steps > 0:  # before the first step there is no state to save
-            path = directory / optimizer_file(self.tp, self.cp, self.global_rank)
-            torch.save(self._optimizer_state(), path)
-
-    def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        state = json.loads((directory / ENGINE_STATE_FILE).read_text())
-        self._import_hf(load_file(str(directory / WEIGHTS_FILE)))  # full file, this rank's part
-        for optimizer in self._optimizers():
-            if hasattr(optimizer, "reload_model_params"):
-                optimizer.reload_model_params()
-        self.steps = int(state["steps"])
-        if not with_optimizer:
-            return
-        inners = [o.optimizer for o in self._optimizers()]
-        if self.steps == 0:
-            for inner in inners:
-                inner.state.clear()  # saved before any step: fresh moments
-            return
-        saved = (int(state.get("tp", 1)), int(state.get("cp", 1)))
-        if saved != (self.tp, self.cp):
-            raise ValueError(
-                f"{directory}: optimizer state was saved at local.megatron tp={saved[0]} "
-                f"cp={saved[1]}, this trainer runs tp={self.tp} cp={self.cp}; resume at the "
-                "saved sizes or load the weights only"
-            )
-        path = directory / optimizer_file(self.tp, self.cp, self.global_rank)
-        for inner, part in zip(inners, torch.load(path, weights_only=False), strict=True):
-            inner.load_state_dict(part["optimizer"])
-            mains = [p for group in inner.param_groups for p in group["params"]]
-            with torch.no_grad():
-                for main, value in zip(mains, part["main_params"], strict=True):
-                    main.copy_(value.to(main.device))

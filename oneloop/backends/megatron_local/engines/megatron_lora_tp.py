@@ -15,14 +15,9 @@ Gradients need nothing beyond Megatron's DDP: the base is frozen (QK-norm includ
 by construction (`megatron_lora` module docstring).
 """
 
-import json
-from pathlib import Path
-
 import torch
 
-from oneloop.backends.megatron_local.engines import megatron_offload
-from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank, optimizer_file
-from oneloop.backends.megatron_local.engines.megatron_trainer import ENGINE_STATE_FILE
+from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
 
 
 class MegatronLoraTpRank(MegatronTpRank):
@@ -37,36 +32,3 @@ class MegatronLoraTpRank(MegatronTpRank):
         """LoRA-merged full HF weights on rank 0 (empty dict elsewhere); every rank calls it."""
         assert self.lora is not None
         return self.lora.merge(super().hf_weights())
-
-    def save_state(self, directory: Path, with_optimizer: bool) -> None:
-        assert self.lora is not None
-        directory.mkdir(parents=True, exist_ok=True)
-        self.lora.save(directory)  # collective; rank 0 writes the PEFT directory
-        if with_optimizer and self.steps > 0:  # before the first step there is no state to save
-            torch.save(self._optimizer_state(), directory / optimizer_file(self.tp, self.rank))
-        if self.rank == 0:
-            state = {"steps": self.steps, "tp": self.tp}
-            (directory / ENGINE_STATE_FILE).write_text(json.dumps(state))
-
-    def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        assert self.lora is not None
-        state = json.loads((directory / ENGINE_STATE_FILE).read_text())
-        saved_tp, steps = int(state.get("tp", 1)), int(state["steps"])
-        if with_optimizer and steps > 0 and saved_tp != self.tp:  # checked before changing anything
-            raise ValueError(
-                f"{directory}: optimizer state was saved at local.megatron.tp={saved_tp}, this "
-                f"trainer runs tp={self.tp}; resume at tp={saved_tp} or load the adapter only"
-            )
-        self.lora.load(directory)  # the full adapter; each rank copies its part
-        megatron_offload.reload_main_params(self.optimizer)  # fp32 main params follow it
-        self.steps = steps
-        if not with_optimizer:
-            return
-        if steps == 0:  # saved before any step: fresh moments
-            megatron_offload.load_state(self.optimizer, None)
-            return
-        file = directory / optimizer_file(self.tp, self.rank)
-        if not file.is_file():
-            raise FileNotFoundError(f"{file}: this rank's optimizer state is missing")
-        # checkpoint_state's layout (`_optimizer_state`), as every megatron engine writes it
-        megatron_offload.load_state(self.optimizer, torch.load(file, weights_only=False))

@@ -28,16 +28,14 @@ Every rank runs the same calls in the same order; what differs from the one-proc
 LoRA is refused (its adapters are not pipeline-parallel).
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local import losses
-from oneloop.backends.megatron_local.engines import megatron_offload, megatron_speed
+from oneloop.backends.megatron_local.engines import megatron_speed
 from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult, LoraSpec
 from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape, megatron_to_hf
 from oneloop.backends.megatron_local.engines.megatron_pp_plan import (
@@ -55,8 +53,6 @@ from oneloop.backends.megatron_local.engines.megatron_shard import (
     tp_kind,
 )
 from oneloop.backends.megatron_local.engines.megatron_trainer import (
-    ENGINE_STATE_FILE,
-    WEIGHTS_FILE,
     MegatronParallel,
     MegatronTrainerEngine,
 )
@@ -64,10 +60,6 @@ from oneloop.backends.megatron_local.engines.torch_trainer import (
     pack_microbatches,
     run_microbatches,
 )
-
-
-def optimizer_file(tp: int, pp: int, rank: int) -> str:
-    return f"optimizer.tp{tp}.pp{pp}.rank{rank}.pt"
 
 
 class MegatronPpRank(MegatronTrainerEngine):
@@ -91,7 +83,8 @@ class MegatronPpRank(MegatronTrainerEngine):
         shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
         check_tp(shape, parallel.tp)
         check_pp(shape.layers, parallel.pp)
-        self.rank, self.tp, self.pp = rank, parallel.tp, parallel.pp
+        self.rank = self.global_rank = rank
+        self.tp, self.pp = parallel.tp, parallel.pp
         self.coords = rank_coords(rank, parallel.tp, parallel.pp, parallel.cp)
         self.layers = stage_layers(shape.layers, parallel.pp, self.coords.pp_rank)
         self.first, self.last = self.coords.pp_rank == 0, self.coords.pp_rank == parallel.pp - 1
@@ -245,39 +238,3 @@ class MegatronPpRank(MegatronTrainerEngine):
                 full[name] = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.recv(full[name], src)
         return megatron_to_hf(self.shape, full)
-
-    def save_state(self, directory: Path, with_optimizer: bool) -> None:
-        weights = self.hf_weights()
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            weights = {k: v.contiguous().cpu() for k, v in weights.items()}
-            if self.shape.tied:
-                weights.pop("lm_head.weight")
-            save_file(weights, str(directory / WEIGHTS_FILE))
-        if with_optimizer and self.steps > 0:  # before the first step there is no state to save
-            path = directory / optimizer_file(self.tp, self.pp, self.rank)
-            torch.save(self._optimizer_state(), path)
-        if self.rank == 0:
-            state = {"steps": self.steps, "tp": self.tp, "pp": self.pp}
-            (directory / ENGINE_STATE_FILE).write_text(json.dumps(state))
-        torch.distributed.barrier()  # every file written before any rank returns
-
-    def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        state = json.loads((directory / ENGINE_STATE_FILE).read_text())
-        self._import_hf(load_file(str(directory / WEIGHTS_FILE)))  # full file, this rank's part
-        megatron_offload.reload_main_params(self.optimizer)
-        self.steps = int(state["steps"])
-        if not with_optimizer:
-            return
-        if self.steps == 0:  # saved before any step: fresh moments
-            megatron_offload.load_state(self.optimizer, None)
-            return
-        saved = (int(state.get("tp", 1)), int(state.get("pp", 1)))
-        if saved != (self.tp, self.pp):
-            raise ValueError(
-                f"{directory}: optimizer state was saved at local.megatron tp={saved[0]} "
-                f"pp={saved[1]}, this trainer runs tp={self.tp} pp={self.pp}; resume at the "
-                "saved sizes or load the weights only"
-            )
-        path = directory / optimizer_file(self.tp, self.pp, self.rank)
-        megatron_offload.load_state(self.optimizer, torch.load(path, weights_only=False))

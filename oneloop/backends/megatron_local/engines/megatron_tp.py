@@ -16,11 +16,9 @@ the one-process engine:
   size only (a mismatch is refused with the reason).
 """
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from oneloop.backends.megatron_local.engines.base import LoraSpec
 from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape, megatron_to_hf
@@ -32,15 +30,9 @@ from oneloop.backends.megatron_local.engines.megatron_shard import (
     tp_kind,
 )
 from oneloop.backends.megatron_local.engines.megatron_trainer import (
-    ENGINE_STATE_FILE,
-    WEIGHTS_FILE,
     MegatronParallel,
     MegatronTrainerEngine,
 )
-
-
-def optimizer_file(tp: int, rank: int) -> str:
-    return f"optimizer.tp{tp}.rank{rank}.pt"
 
 
 class MegatronTpRank(MegatronTrainerEngine):
@@ -53,6 +45,7 @@ class MegatronTpRank(MegatronTrainerEngine):
 
         check_tp(DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path))), parallel.tp)
         self.tp, self.rank = parallel.tp, rank
+        self.global_rank = self.global_rank or rank  # MegatronCpRank sets its own first
         super().__init__(model_path, lora, parallel=parallel, **kwargs)
         from megatron.core import parallel_state
 
@@ -102,45 +95,3 @@ class MegatronTpRank(MegatronTrainerEngine):
             if self.rank == 0:
                 full[name] = gather(name, parts)
         return megatron_to_hf(self.shape, full) if self.rank == 0 else {}
-
-    def save_state(self, directory: Path, with_optimizer: bool) -> None:
-        weights = self.hf_weights()
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            weights = {k: v.contiguous().cpu() for k, v in weights.items()}
-            if self.shape.tied:
-                weights.pop("lm_head.weight")
-            save_file(weights, str(directory / WEIGHTS_FILE))
-        if with_optimizer and self.steps > 0:  # before the first step there is no state to save
-            torch.save(self._optimizer_state(), directory / optimizer_file(self.tp, self.rank))
-        if self.rank == 0:
-            state = {"steps": self.steps, "tp": self.tp}
-            (directory / ENGINE_STATE_FILE).write_text(json.dumps(state))
-
-    def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        state = json.loads((directory / ENGINE_STATE_FILE).read_text())
-        self._import_hf(load_file(str(directory / WEIGHTS_FILE)))  # full file, this rank's part
-        for optimizer in self._optimizers():
-            if hasattr(optimizer, "reload_model_params"):
-                optimizer.reload_model_params()
-        self.steps = int(state["steps"])
-        if not with_optimizer:
-            return
-        inners = [o.optimizer for o in self._optimizers()]
-        if self.steps == 0:
-            for inner in inners:
-                inner.state.clear()  # saved before any step: fresh moments
-            return
-        saved_tp = int(state.get("tp", 1))
-        if saved_tp != self.tp:
-            raise ValueError(
-                f"{directory}: optimizer state was saved at local.megatron.tp={saved_tp}, this "
-                f"trainer runs tp={self.tp}; resume at tp={saved_tp} or load the weights only"
-            )
-        saved = torch.load(directory / optimizer_file(self.tp, self.rank), weights_only=False)
-        for inner, part in zip(inners, saved, strict=True):
-            inner.load_state_dict(part["optimizer"])
-            mains = [p for group in inner.param_groups for p in group["params"]]
-            with torch.no_grad():
-                for main, value in zip(mains, part["main_params"], strict=True):
-                    main.copy_(value.to(main.device))

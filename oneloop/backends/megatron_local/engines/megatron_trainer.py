@@ -134,8 +134,19 @@ def _read_hf_weights(model_path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def optimizer_file(layout: dict[str, int], rank: int) -> str:
+    """Optimizer state file of group rank `rank`: `optimizer.pt` for one process, else
+    `optimizer.tp{T}[.pp{P}][.cp{C}].rank{r}.pt` (each rank's shard; same sizes to resume)."""
+    if all(size == 1 for size in layout.values()):
+        return OPTIMIZER_FILE
+    extra = "".join(f".{k}{layout[k]}" for k in ("pp", "cp") if layout[k] > 1)
+    return f"optimizer.tp{layout['tp']}{extra}.rank{rank}.pt"
+
+
 class MegatronTrainerEngine(TrainerEngine):
     """See the module docstring."""
+
+    global_rank = 0  # rank in the trainer's group (the group rank classes set theirs)
 
     def __init__(
         self,
@@ -424,39 +435,58 @@ class MegatronTrainerEngine(TrainerEngine):
         # numpy has no bfloat16: the object-store path carries float32 (exact for bf16 values).
         return {k: v.float().cpu().numpy() for k, v in self.hf_weights().items()}
 
+    # -- checkpoint: one HF weights file (or PEFT adapter), one optimizer file per rank ------------
+    # Shared by every rank class of a group (TP, PP, CP, LoRA-TP): `hf_weights` / `lora.save` are
+    # collectives there and group rank 0 writes the files they return.
+
+    def _layout(self) -> dict[str, int]:
+        return {"tp": self.parallel.tp, "pp": self.parallel.pp, "cp": self.parallel.cp}
+
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         if self.lora:
             self.lora.save(directory)  # the base stays the model directory's
         else:
-            weights = {k: v.contiguous().cpu() for k, v in self.hf_weights().items()}
-            if self.shape.tied:
-                weights.pop("lm_head.weight")
-            save_file(weights, str(directory / WEIGHTS_FILE))
+            weights = self.hf_weights()
+            if self.global_rank == 0:
+                weights = {k: v.contiguous().cpu() for k, v in weights.items()}
+                if self.shape.tied:
+                    weights.pop("lm_head.weight")
+                save_file(weights, str(directory / WEIGHTS_FILE))
         if with_optimizer and self.steps > 0:  # before the first step there is no state to save
-            torch.save(self._optimizer_state(), directory / OPTIMIZER_FILE)
-        (directory / ENGINE_STATE_FILE).write_text(json.dumps({"steps": self.steps}))
+            path = directory / optimizer_file(self._layout(), self.global_rank)
+            torch.save(self._optimizer_state(), path)
+        if self.global_rank == 0:
+            state = {"steps": self.steps, **self._layout()}
+            (directory / ENGINE_STATE_FILE).write_text(json.dumps(state))
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()  # every file written before any rank returns
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        saved = json.loads((directory / ENGINE_STATE_FILE).read_text())
-        saved_tp = int(saved.get("tp", 1))  # TP > 1 writes per-rank optimizer.tp{T}.rank{r}.pt
-        if with_optimizer and saved["steps"] > 0 and saved_tp != self.parallel.tp:
+        state = json.loads((directory / ENGINE_STATE_FILE).read_text())
+        steps, layout = int(state["steps"]), self._layout()
+        saved = {k: int(state.get(k, 1)) for k in layout}
+        if with_optimizer and steps > 0 and saved != layout:  # before anything changes
+            sizes = [" ".join(f"{k}={v}" for k, v in x.items()) for x in (saved, layout)]
             raise ValueError(
-                f"{directory}: optimizer state was saved at local.megatron.tp={saved_tp}, this "
-                f"trainer runs tp={self.parallel.tp}; resume at tp={saved_tp} or load the "
-                "weights only"
+                f"{directory}: optimizer state was saved at local.megatron {sizes[0]}, this "
+                f"trainer runs {sizes[1]}; resume at the saved sizes or load the weights only"
             )
         if self.lora:
-            self.lora.load(directory)
+            self.lora.load(directory)  # the full adapter; group ranks copy their parts
         else:
             self._import_hf(load_file(str(directory / WEIGHTS_FILE)))
-        # The optimizer's fp32 main params must follow the imported weights.
-        megatron_offload.reload_main_params(self.optimizer)
-        self.steps = json.loads((directory / ENGINE_STATE_FILE).read_text())["steps"]
-        if with_optimizer:  # no file: saved before any step, fresh moments
-            file = directory / OPTIMIZER_FILE
-            saved = torch.load(file, weights_only=False) if file.is_file() else None
-            megatron_offload.load_state(self.optimizer, saved)
+        megatron_offload.reload_main_params(self.optimizer)  # fp32 main params follow the weights
+        self.steps = steps
+        if not with_optimizer:
+            return
+        path = directory / optimizer_file(layout, self.global_rank)
+        if path.is_file():
+            megatron_offload.load_state(self.optimizer, torch.load(path, weights_only=False))
+        elif steps > 0 and any(directory.glob("optimizer*.pt")):
+            raise FileNotFoundError(f"{path}: this rank's optimizer state is missing")
+        else:  # saved before any step or without optimizer: fresh moments (as the torch engine)
+            megatron_offload.load_state(self.optimizer, None)
 
     def _optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))

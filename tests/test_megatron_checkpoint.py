@@ -1,0 +1,48 @@
+"""The megatron engines' checkpoint layout, shared by the one-process engine and every group rank
+class (TP, PP, CP, LoRA-TP): optimizer file names per rank, and a checkpoint whose optimizer state
+was written at other parallel sizes refused before anything is loaded. Checked without
+megatron-core (the engines themselves: scripts/device/check_megatron_*_cpu.py, tests/gpu/)."""
+
+import json
+
+import pytest
+
+from oneloop.backends.megatron_local.engines.megatron_trainer import (
+    MegatronParallel,
+    MegatronTrainerEngine,
+    optimizer_file,
+)
+
+
+@pytest.mark.parametrize(
+    ("layout", "rank", "name"),
+    [
+        ({"tp": 1, "pp": 1, "cp": 1}, 0, "optimizer.pt"),
+        ({"tp": 2, "pp": 1, "cp": 1}, 1, "optimizer.tp2.rank1.pt"),
+        ({"tp": 1, "pp": 2, "cp": 1}, 1, "optimizer.tp1.pp2.rank1.pt"),
+        ({"tp": 2, "pp": 1, "cp": 2}, 3, "optimizer.tp2.cp2.rank3.pt"),
+    ],
+)
+def test_each_rank_has_its_own_optimizer_file(layout, rank, name):
+    assert optimizer_file(layout, rank) == name
+
+
+def _engine(**sizes) -> MegatronTrainerEngine:
+    engine = object.__new__(MegatronTrainerEngine)  # no model: the refusal comes first
+    engine.parallel = MegatronParallel(**sizes)
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("saved", "runs", "message"),
+    [
+        ({"tp": 2}, {}, "saved at local.megatron tp=2 pp=1 cp=1, this trainer runs tp=1 pp=1 cp=1"),
+        ({}, {"tp": 2}, "saved at local.megatron tp=1 pp=1 cp=1, this trainer runs tp=2 pp=1"),
+        ({"tp": 1, "pp": 2}, {"tp": 2, "pp": 2}, "tp=1 pp=2 cp=1, this trainer runs tp=2 pp=2"),
+        ({"cp": 2}, {"pp": 2}, "tp=1 pp=1 cp=2, this trainer runs tp=1 pp=2 cp=1"),
+    ],
+)
+def test_optimizer_state_of_other_sizes_is_refused_before_loading(tmp_path, saved, runs, message):
+    (tmp_path / "engine.json").write_text(json.dumps({"steps": 3, **saved}))
+    with pytest.raises(ValueError, match=message):
+        _engine(**runs).load_state(tmp_path, with_optimizer=True)
