@@ -40,9 +40,8 @@ from oneloop.backends.megatron_local.engines.megatron_cp import (
     rank_positions,
 )
 from oneloop.backends.megatron_local.engines.megatron_tp import MegatronTpRank
-from oneloop.backends.megatron_local.engines.megatron_trainer import (
-    MegatronParallel,
-)
+from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+from oneloop.backends.megatron_local.engines.torch_trainer import padded_arrays
 
 
 def check_cp(parallel: MegatronParallel, lora: LoraSpec, speed: megatron_speed.MegatronSpeed):
@@ -152,16 +151,7 @@ class MegatronCpRank(MegatronTpRank):
     ) -> tuple["losses.LossResult", np.ndarray]:
         batch = len(data)
         seq = padded_length(max(len(d.tokens) for d in data), self.cp)
-        tokens = np.zeros((batch, seq), np.int64)
-        targets = np.zeros((batch, seq), np.int64)
-        mask = np.zeros((batch, seq), bool)
-        keys = sorted(data[0].inputs)
-        inputs = {k: np.zeros((batch, seq), np.float32) for k in keys}
-        for row, datum in enumerate(data):
-            n = len(datum.tokens)
-            tokens[row, :n], targets[row, :n], mask[row, :n] = datum.tokens, datum.targets, True
-            for key in keys:
-                inputs[key][row, :n] = datum.inputs[key]
+        tokens, targets, mask, inputs = padded_arrays(data, seq)
         dev = self.device
         mine = rank_positions(seq, self.cp, self.cp_rank)
         full_mask = torch.from_numpy(mask).to(dev)

@@ -56,7 +56,7 @@ from oneloop.backends.megatron_local.engines.megatron_layout import (
     megatron_param_names,
     megatron_to_hf,
 )
-from oneloop.backends.megatron_local.engines.torch_trainer import run_microbatches
+from oneloop.backends.megatron_local.engines.torch_trainer import padded_arrays, run_microbatches
 
 WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable HF model
 OPTIMIZER_FILE = "optimizer.pt"
@@ -352,16 +352,7 @@ class MegatronTrainerEngine(TrainerEngine):
         """tokens, targets, mask [rows, T] (right-padded), loss inputs {key: [rows, T]} and
         positions of one micro-batch, on the engine's device."""
         batch, seq = len(data), max(len(d.tokens) for d in data)
-        tokens = np.zeros((batch, seq), np.int64)
-        targets = np.zeros((batch, seq), np.int64)
-        mask = np.zeros((batch, seq), bool)
-        keys = sorted(data[0].inputs)
-        inputs = {k: np.zeros((batch, seq), np.float32) for k in keys}
-        for row, datum in enumerate(data):
-            n = len(datum.tokens)
-            tokens[row, :n], targets[row, :n], mask[row, :n] = datum.tokens, datum.targets, True
-            for key in keys:
-                inputs[key][row, :n] = datum.inputs[key]
+        tokens, targets, mask, inputs = padded_arrays(data, seq)
         dev = self.device
         tokens_t = torch.from_numpy(tokens).to(dev, non_blocking=True)
         targets_t = torch.from_numpy(targets).to(dev, non_blocking=True)

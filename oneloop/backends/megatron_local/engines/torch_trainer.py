@@ -51,6 +51,21 @@ def pack_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def padded_arrays(data: list[DatumArrays], seq: int) -> tuple[np.ndarray, ...]:
+    """tokens, targets (int64) and mask (bool) [rows, seq], right-padded with zeros, and the loss
+    inputs {key: float32 [rows, seq]} of one micro-batch (every engine's input layout)."""
+    shape = (len(data), seq)
+    tokens, targets = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    mask = np.zeros(shape, bool)
+    inputs = {k: np.zeros(shape, np.float32) for k in sorted(data[0].inputs)}
+    for row, datum in enumerate(data):
+        n = len(datum.tokens)
+        tokens[row, :n], targets[row, :n], mask[row, :n] = datum.tokens, datum.targets, True
+        for key, values in inputs.items():
+            values[row, :n] = datum.inputs[key]
+    return tokens, targets, mask, inputs
+
+
 def run_microbatches(
     data: list[DatumArrays],
     budget: int,
@@ -133,22 +148,9 @@ class TorchTrainerEngine(TrainerEngine):
     def _microbatch(
         self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool
     ) -> tuple["losses.LossResult", np.ndarray]:
-        longest = max(len(d.tokens) for d in data)
-        batch, seq = len(data), longest
-        tokens = torch.zeros(batch, seq, dtype=torch.long)
-        targets = torch.zeros(batch, seq, dtype=torch.long)
-        mask = torch.zeros(batch, seq, dtype=torch.bool)
-        keys = sorted(data[0].inputs)
-        inputs = {k: torch.zeros(batch, seq, dtype=torch.float32) for k in keys}
-        for row, datum in enumerate(data):
-            n = len(datum.tokens)
-            tokens[row, :n] = torch.as_tensor(np.array(datum.tokens))
-            targets[row, :n] = torch.as_tensor(np.array(datum.targets))
-            mask[row, :n] = True
-            for key in keys:
-                inputs[key][row, :n] = torch.as_tensor(np.array(datum.inputs[key]))
-        tokens, targets, mask = (t.to(self.device) for t in (tokens, targets, mask))
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        arrays = padded_arrays(data, max(len(d.tokens) for d in data))
+        tokens, targets, mask = (torch.from_numpy(a).to(self.device) for a in arrays[:3])
+        inputs = {k: torch.from_numpy(v).to(self.device) for k, v in arrays[3].items()}
         with torch.set_grad_enabled(not forward_only):
             logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
             target_lp = token_logprobs(logits, targets)
