@@ -3,11 +3,13 @@
 Random Qwen3 of the 1.7 B shape at seq 4096 (batch 4), `forward_backward` (cross_entropy, Tinker's
 loss, through the engine contract) + `optim_step`, per variant: the engine as first built
 (`MegatronSpeed.off()`, two sequences per micro-batch: its fp32 logits did not fit more), each
-`MegatronSpeed` switch alone, all of them (the engine's default) at 8k and 16k tokens per
-micro-batch, the opt-in RoPE fusion, SDPA backends, and the `torch` engine. Prints tokens/s, MFU,
-the ratio to the baseline, forward_backward and optim_step seconds, peak memory and the
-target-logprob gap to the baseline's first step (same weights: bf16 tolerance expected); writes
-$OUT/gpu_mfu.json after every variant, so a run cut short keeps what it measured.
+local-spec `MegatronSpeed` switch alone, all of them (the default without TE) at 8k and 16k tokens
+per micro-batch, the opt-in RoPE fusion, SDPA backends, TransformerEngine's layer spec (`te`,
+`te_mb8k`: the default where TE imports; megatron-core then runs TE's FusedAdam in every variant)
+and the `torch` engine. Prints tokens/s, MFU, the ratio to the baseline, forward_backward and
+optim_step seconds, peak memory and the target-logprob gap to the baseline's first step (same
+weights: bf16 tolerance expected); writes $OUT/gpu_mfu.json after every variant, so a run cut
+short keeps what it measured.
 
 MFU = (6·N + 6·L·s·heads·head_dim) · tokens/s / 989 TFLOP/s (H200 dense bf16), N = every
 parameter, a tied embedding once (it is also the LM head's matmul), the attention term halved for
@@ -43,12 +45,15 @@ ADAM = dict(
     learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0
 )
 OFF = MegatronSpeed.off()
-ALL = MegatronSpeed()
+ALL = MegatronSpeed(layer_spec="local")  # every local-spec switch on (the default without TE)
+TE = MegatronSpeed(layer_spec="te")  # TransformerEngine's layer spec (the default with TE)
 # name -> (engine, speed, tokens per micro-batch as a multiple of seq); most telling first.
 VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     "baseline": ("megatron", OFF, 2),
     "all": ("megatron", ALL, 4),
     "torch": ("torch", None, 2),
+    "te": ("megatron", TE, 4),
+    "te_mb8k": ("megatron", TE, 2),
     "all+fused_rope": ("megatron", replace(ALL, fused_rope=True), 4),
     "all_cudnn": ("megatron", replace(ALL, attention_backend="cudnn"), 4),
     "+bf16_norms": ("megatron", replace(OFF, bf16_norms=True), 2),

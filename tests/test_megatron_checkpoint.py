@@ -27,9 +27,10 @@ def test_each_rank_has_its_own_optimizer_file(layout, rank, name):
     assert optimizer_file(layout, rank) == name
 
 
-def _engine(**sizes) -> MegatronTrainerEngine:
+def _engine(te: bool = False, **sizes) -> MegatronTrainerEngine:
     engine = object.__new__(MegatronTrainerEngine)  # no model: the refusal comes first
     engine.parallel = MegatronParallel(**sizes)
+    engine.te = te
     return engine
 
 
@@ -46,3 +47,24 @@ def test_optimizer_state_of_other_sizes_is_refused_before_loading(tmp_path, save
     (tmp_path / "engine.json").write_text(json.dumps({"steps": 3, **saved}))
     with pytest.raises(ValueError, match=message):
         _engine(**runs).load_state(tmp_path, with_optimizer=True)
+
+
+@pytest.mark.parametrize(
+    ("saved", "te", "message"),
+    [
+        ({"layer_spec": "te"}, False, "saved on the 'te' layer spec, this trainer builds 'local'"),
+        (
+            {"layer_spec": "local"},
+            True,
+            "saved on the 'local' layer spec, this trainer builds 'te'",
+        ),
+        ({}, True, "saved on the 'local' layer spec"),  # written before the TE spec was built
+    ],
+)
+def test_optimizer_state_of_the_other_layer_spec_is_refused_before_loading(
+    tmp_path, saved, te, message
+):
+    (tmp_path / "engine.json").write_text(json.dumps({"steps": 3, **saved}))
+    with pytest.raises(ValueError, match=message) as error:
+        _engine(te=te).load_state(tmp_path, with_optimizer=True)
+    assert "load the weights only" in str(error.value)

@@ -1,4 +1,5 @@
-"""`local.megatron.speed`: the config section that reaches the megatron engine's `MegatronSpeed`.
+"""`local.megatron.speed`: the config section that reaches the megatron engine's `MegatronSpeed`,
+and the layer spec (TransformerEngine's or the local one) that `use_te` picks from it.
 
 The engine itself needs megatron-core and a GPU (tests/gpu/test_megatron_speed.py); here: the
 config and the engine's switches agree field for field and default for default, and a bad value
@@ -6,11 +7,13 @@ is an error naming its dotted path.
 """
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
+from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.config import MegatronSpeedSettings, parse_backend_config
-from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
+from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed, use_te
 from oneloop.errors import ConfigError
 
 
@@ -46,3 +49,66 @@ def test_a_configured_switch_reaches_the_engine_switches():
 def test_a_bad_speed_setting_names_its_dotted_path(speed, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         parse_backend_config({"local": {"megatron": {"speed": speed}}})
+
+
+# -- layer spec: TransformerEngine's or the local one ----------------------------------------------
+
+SDPA_ONLY = {"attention_backend": "flash", "fused_rope": True}
+
+
+@pytest.mark.parametrize(
+    ("spec", "te_importable", "lora_rank", "cp", "expected"),
+    [
+        ("auto", True, 0, 1, True),
+        ("auto", False, 0, 1, False),  # no TE here: the local spec
+        ("auto", True, 8, 1, False),  # LoRA: the local spec
+        ("auto", True, 0, 2, False),  # CP: our SDPA attention
+        ("te", True, 0, 1, True),
+        ("local", True, 0, 1, False),
+        ("local", False, 8, 2, False),
+    ],
+)
+def test_the_layer_spec_follows_the_setting_and_what_the_run_allows(
+    spec, te_importable, lora_rank, cp, expected
+):
+    speed = MegatronSpeed(layer_spec=spec)
+    assert use_te(speed, te_importable=te_importable, lora_rank=lora_rank, cp=cp) is expected
+
+
+@pytest.mark.parametrize(
+    ("te_importable", "lora_rank", "cp", "reason"),
+    [
+        (False, 0, 1, "TransformerEngine is not importable"),
+        (True, 8, 1, "LoRA runs on the local spec"),
+        (True, 0, 2, "context parallelism runs on our SDPA attention"),
+    ],
+)
+def test_te_where_it_cannot_be_used_is_refused_with_the_reason(
+    te_importable, lora_rank, cp, reason
+):
+    with pytest.raises(CapabilityError, match=r"local\.megatron\.speed\.layer_spec='te'") as error:
+        use_te(
+            MegatronSpeed(layer_spec="te"), te_importable=te_importable, lora_rank=lora_rank, cp=cp
+        )
+    assert reason in str(error.value)
+
+
+@pytest.mark.parametrize(("field", "value"), SDPA_ONLY.items())
+@pytest.mark.parametrize("spec", ["auto", "te"])
+def test_sdpa_only_switches_on_the_te_spec_are_refused_not_ignored(field, value, spec):
+    speed = MegatronSpeed(layer_spec=spec, **{field: value})
+    with pytest.raises(CapabilityError, match=rf"local\.megatron\.speed\.{field} applies"):
+        use_te(speed, te_importable=True, lora_rank=0, cp=1)
+    # the same switch on the local spec (chosen, or TE absent) is honoured
+    assert not use_te(replace(speed, layer_spec="local"), te_importable=True, lora_rank=0, cp=1)
+    assert not use_te(replace(speed, layer_spec="auto"), te_importable=False, lora_rank=0, cp=1)
+
+
+def test_the_baseline_is_the_local_spec_and_a_bad_spec_names_its_path():
+    assert MegatronSpeed.off().layer_spec == "local"
+    assert MegatronSpeed().layer_spec == "auto"
+    with pytest.raises(ValueError, match="layer_spec 'transformer_engine'"):
+        MegatronSpeed(layer_spec="transformer_engine")
+    path = r"backend\.local\.megatron\.speed\.layer_spec"
+    with pytest.raises(ConfigError, match=path):
+        parse_backend_config({"local": {"megatron": {"speed": {"layer_spec": "TE"}}}})

@@ -17,8 +17,8 @@ class _Strict(BaseModel):
 
 
 class MegatronSpeedSettings(_Strict):
-    """Speed switches of the `megatron` engine without TransformerEngine (`megatron_speed` has the
-    measured reason for each; all exact up to bf16 rounding). Defaults: the measured best."""
+    """Layer spec and speed switches of the `megatron` engine (`megatron_speed` has the measured
+    reason for each; all exact up to bf16 rounding). Defaults: the measured best."""
 
     fused_logprobs: bool = True
     """Target logprobs from the hidden states, chunked (no fp32 full-vocabulary logits)."""
@@ -36,6 +36,9 @@ class MegatronSpeedSettings(_Strict):
     """torch SDPA backend of the core attention; auto = torch's choice."""
     fused_rope: bool = False
     """RoPE inside the SDPA core attention as one compiled kernel per q and k (opt-in)."""
+    layer_spec: Literal["auto", "te", "local"] = "auto"
+    """Layer spec: `te` = TransformerEngine's (refused where TE is not importable, with LoRA or
+    CP), `local` = megatron-core's local spec with SDPA attention, `auto` = TE where usable."""
 
 
 class MegatronSettings(_Strict):
@@ -62,7 +65,7 @@ class MegatronSettings(_Strict):
     parameter on the CPU (`megatron_offload`): ~12 GPU bytes a parameter saved, step time spent;
     needs bf16 trained weights (no LoRA), the distributed optimizer and tp = pp = cp = 1."""
     speed: MegatronSpeedSettings = MegatronSpeedSettings()
-    """Speed switches when TransformerEngine is absent (`local.megatron.speed.*`)."""
+    """Layer spec (TransformerEngine or local) and speed switches (`local.megatron.speed.*`)."""
 
 
 class VllmSettings(_Strict):

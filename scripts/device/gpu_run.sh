@@ -28,6 +28,15 @@
 #                                    update cosine, forward_only, per-rank save/load; test_megatron_pp)
 #   cp        (nvidia-h200-x2)       megatron engine at CP=2 vs CP=1, seq 4096, no TE (loss, logprobs,
 #                                    grad norm, update cosine, forward_only, save/load; test_megatron_cp)
+#   te1..te4  carry [".wteN"]        optional, after setup1-3: stash a part of TransformerEngine's wheel
+#   te5       carry [".wte5"]        join and install TE 2.20.2 (+ its torch extension built here by
+#                                    scripts/device/prepare_te_parts.sh); from then on the megatron
+#                                    engine's default layer spec is TE's (local.megatron.speed.layer_spec)
+#   te_tests                         after te5: megatron engine on the TE spec and the local spec vs the
+#                                    torch engine, save/load on both, a TE checkpoint on the local spec,
+#                                    LoRA (local spec), optimizer offload (TE's FusedAdam state in and out)
+#                                    Then `mfu` with MFU_ARGS="--variants baseline,all,te,te_mb8k,torch"
+#                                    and `e2e` (the whole backend, TE spec) run on TE too.
 #
 # Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
 # `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
@@ -106,5 +115,17 @@ case "$stage" in
   cp)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_cp.py > "$OUT/cp.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/cp.log" | tail -20; tail -30 "$OUT/cp.log" ;;
+  te1|te2|te3|te4)   # carry [".wteN"]: one part of TE's common wheel
+    cp ".w$stage"/te.part* /tmp/w/ && ls -l /tmp/w | grep te.part ;;
+  te5)
+    te_wheel=/tmp/w/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
+    cat /tmp/w/te.part* .wte5/te.part* > "$te_wheel"
+    echo "$(cat .wte5/te.sha256)  $te_wheel" | sha256sum -c - || exit 4
+    pip_target "$te_wheel" .wte5/*.whl
+    python3 -c "import transformer_engine as t, transformer_engine.pytorch; print('TE', t.__version__)" ;;
+  te_tests)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py \
+      tests/gpu/test_megatron_offload.py > "$OUT/te_tests.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/te_tests.log" | tail -30; tail -30 "$OUT/te_tests.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
 """Shared by the GPU tests: the device model directory, a figures sink ($OUT/<name>.json), the AdamW
-parameters and the ragged batch the engine parity tests use."""
+parameters, the ragged batch the engine parity tests use and the layer specs this machine builds."""
 
 import json
 import os
@@ -56,3 +56,12 @@ def record(name: str, figures: dict) -> None:
 def logprob_gaps(a, b) -> np.ndarray:
     """|Δ| of the per-token logprobs of two `ForwardResult`s, all datums concatenated."""
     return np.concatenate([np.abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)])
+
+
+def layer_specs() -> list[str]:
+    """Megatron layer specs to test here: `local` always, `te` where TransformerEngine imports."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return ["local"]
+    return ["local", "te"]

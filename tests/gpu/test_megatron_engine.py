@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gpu_figures import ADAM, batch, logprob_gaps, model_dir, record  # noqa: E402
+from gpu_figures import ADAM, batch, layer_specs, logprob_gaps, model_dir, record  # noqa: E402
 
 from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
 
@@ -23,18 +23,31 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def path(tmp_path_factory):
+    return model_dir(tmp_path_factory.mktemp("model"))
+
+
+def megatron_engine(path, spec: str):
+    from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
     from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+
+    speed = MegatronSpeed(layer_spec=spec)
+    engine = MegatronTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda", speed=speed)
+    te_modules = {type(m).__name__ for m in engine.module.modules() if type(m).__name__[:2] == "TE"}
+    assert engine.te is (spec == "te") and bool(te_modules) is (spec == "te"), te_modules
+    return engine
+
+
+@pytest.fixture(scope="module", params=layer_specs())
+def engines(request, path):
     from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
 
-    path = model_dir(tmp_path_factory.mktemp("model"))
-    mega = MegatronTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
     ref = TorchTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
-    return mega, ref
+    return megatron_engine(path, request.param), ref, request.param
 
 
 def test_megatron_matches_torch_engine(engines) -> None:
-    mega, ref = engines
+    mega, ref, spec = engines
     before = {k: v.float().clone() for k, v in mega.hf_weights().items()}
     figures: dict = {}
     for loss in ("cross_entropy", "importance_sampling"):
@@ -68,7 +81,7 @@ def test_megatron_matches_torch_engine(engines) -> None:
         "update_cosine": cosine,
         "update_abs_mean_megatron": float(upd_m.abs().mean()),
     }
-    record("megatron_parity", figures)
+    record("megatron_parity" if spec == "local" else f"megatron_parity_{spec}", figures)
     # One AdamW step moves each weight by about lr; bf16 rounding of the two paths differs by ulps.
     assert cosine > 0.9
     assert figures["optim_step"]["weight_abs_diff_mean"] < ADAM["learning_rate"]
@@ -78,7 +91,7 @@ def test_megatron_matches_torch_engine(engines) -> None:
 
 
 def test_save_and_load_state_restores_weights_and_optimizer(engines, tmp_path) -> None:
-    mega, _ = engines
+    mega, _, _ = engines
     data = batch(2, "cross_entropy")
     mega.forward_backward(batch(3, "cross_entropy"), "cross_entropy", None, forward_only=False)
     mega.optim_step(ADAM)  # the checkpoint then carries Adam moments and fp32 main params
@@ -93,6 +106,40 @@ def test_save_and_load_state_restores_weights_and_optimizer(engines, tmp_path) -
     assert mega.forward_backward(data, "cross_entropy", None, forward_only=True).loss == (
         pytest.approx(after_one, rel=1e-4)
     )
+
+
+@pytest.mark.skipif("te" not in layer_specs(), reason="needs TransformerEngine")
+def test_a_te_spec_checkpoint_loads_on_the_local_spec(path, tmp_path) -> None:
+    """Checkpoints hold HF-named weights whichever spec wrote them: a TE run's weights load on the
+    local spec and give the same logprobs (bf16 tolerance); its optimizer state is refused there,
+    named, before anything changes."""
+    te = megatron_engine(path, "te")
+    te.forward_backward(batch(3, "cross_entropy"), "cross_entropy", None, forward_only=False)
+    te.optim_step(ADAM)
+    te.save_state(tmp_path / "ckpt", with_optimizer=True)
+    data = batch(2, "cross_entropy")
+    te_out = te.forward_backward(data, "cross_entropy", None, forward_only=True)
+    del te
+    local = megatron_engine(path, "local")
+    fresh = local.forward_backward(data, "cross_entropy", None, forward_only=True)
+    with pytest.raises(ValueError, match="saved on the 'te' layer spec, this trainer builds"):
+        local.load_state(tmp_path / "ckpt", with_optimizer=True)
+    unchanged = local.forward_backward(data, "cross_entropy", None, forward_only=True)
+    assert unchanged.loss == fresh.loss
+    local.load_state(tmp_path / "ckpt", with_optimizer=False)
+    local_out = local.forward_backward(data, "cross_entropy", None, forward_only=True)
+    tokens = sum(len(d.tokens) for d in data)
+    gaps = logprob_gaps(te_out, local_out)
+    moved = logprob_gaps(te_out, fresh)  # the trained step's own effect, for scale
+    record("megatron_te_checkpoint_on_local", {
+        "loss_te": te_out.loss, "loss_local": local_out.loss,
+        "loss_abs_diff_per_token": abs(te_out.loss - local_out.loss) / tokens,
+        "logprob_abs_diff_mean": float(gaps.mean()), "logprob_abs_diff_max": float(gaps.max()),
+        "untrained_logprob_abs_diff_mean": float(moved.mean()),
+    })  # fmt: skip
+    assert abs(te_out.loss - local_out.loss) / tokens < 0.01
+    assert float(gaps.mean()) < 0.02
+    assert local.steps == 1
 
 
 # -- LoRA ------------------------------------------------------------------------------------------

@@ -169,6 +169,8 @@ def test_checkpoint_without_offload_resumes_with_offload(runs) -> None:
         for i, state in part["optimizer"]["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(tensors[f"{c}.{i}.{key}"], state[key].cpu())
+    # The plain run's two steps, whichever Adam wrote them (TE's FusedAdam counts per group).
+    assert {float(t) for key, t in tensors.items() if key.endswith(".step")} == {2.0}
     data = batch(3, "cross_entropy")
     engine.forward_backward(data, "cross_entropy", None, forward_only=False)
     assert engine.optim_step(ADAM)["grad_norm:mean"] > 0.0

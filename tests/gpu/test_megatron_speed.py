@@ -5,6 +5,8 @@ forward_backward, weights after one optim_step, and each SDPA backend's logprobs
 Device only (`pytest -m gpu tests/gpu/test_megatron_speed.py`). Figures → $OUT/megatron_speed.json.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,6 +22,8 @@ from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 FIGURES: dict = {}
+# The switches are the local spec's (the TE spec: test_megatron_engine).
+LOCAL = MegatronSpeed(layer_spec="local")
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +41,14 @@ def engine(path, speed: MegatronSpeed, budget: int = 2048):
 
 
 def test_switches_on_match_switches_off(path) -> None:
-    off, on = engine(path, MegatronSpeed.off()), engine(path, MegatronSpeed(), budget=4096)
+    off, on = engine(path, MegatronSpeed.off()), engine(path, LOCAL, budget=4096)
     norm_dtypes = {p.dtype for n, p in on.module.named_parameters() if "layernorm" in n}
     assert norm_dtypes == {torch.bfloat16}
     inner = on.optimizer.chained_optimizers if hasattr(on.optimizer, "chained_optimizers") else [
         on.optimizer
     ]  # fmt: skip
-    assert all(g["fused"] for o in inner for g in o.optimizer.param_groups)
+    torch_adam = [o.optimizer for o in inner if isinstance(o.optimizer, torch.optim.Adam)]
+    assert all(g["fused"] for o in torch_adam for g in o.param_groups)  # TE's FusedAdam: fused
     before = {k: v.float().clone() for k, v in on.hf_weights().items()}
     for loss in ("cross_entropy", "importance_sampling"):
         data = batch(1, loss)
@@ -88,9 +93,9 @@ def test_switches_on_match_switches_off(path) -> None:
 
 def test_fused_rope_matches_megatron_rope(path) -> None:
     data = batch(4, "cross_entropy")
-    ref = engine(path, MegatronSpeed()).forward_backward(data, "cross_entropy", None, True)
+    ref = engine(path, LOCAL).forward_backward(data, "cross_entropy", None, True)
     torch.cuda.empty_cache()
-    got = engine(path, MegatronSpeed(fused_rope=True)).forward_backward(
+    got = engine(path, replace(LOCAL, fused_rope=True)).forward_backward(
         data, "cross_entropy", None, forward_only=False
     )
     gap = logprob_gaps(ref, got)
@@ -102,11 +107,11 @@ def test_fused_rope_matches_megatron_rope(path) -> None:
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
 def test_attention_backends_match_auto(path, backend: str) -> None:
     data = batch(3, "cross_entropy")
-    auto = engine(path, MegatronSpeed(attention_backend="auto"))
+    auto = engine(path, replace(LOCAL, attention_backend="auto"))
     ref = auto.forward_backward(data, "cross_entropy", None, forward_only=True)
     del auto
     torch.cuda.empty_cache()
-    chosen = engine(path, MegatronSpeed(attention_backend=backend))
+    chosen = engine(path, replace(LOCAL, attention_backend=backend))
     try:
         got = chosen.forward_backward(data, "cross_entropy", None, forward_only=False)
     except RuntimeError as exc:

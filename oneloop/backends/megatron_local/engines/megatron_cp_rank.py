@@ -138,10 +138,6 @@ class MegatronCpRank(MegatronTpRank):
             calculate_per_token_loss=True,
         )
 
-    def _build_model(self):
-        self.te = False  # CP runs on our SDPA attention (TE's own CP attention is not wired here)
-        return super()._build_model()
-
     def _core_attention(self):
         theta = self.shape.rope_theta if self.speed.fused_rope else None
         return cp_core_attention(self.speed.attention_backend, theta)

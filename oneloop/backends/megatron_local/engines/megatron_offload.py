@@ -26,6 +26,11 @@ What megatron-core 0.19 does, and what this module sets or adds (read from
   torch AdamW, and rebuilds its sub-optimizers).
 - Fractions below 1 are not offered: the GPU part (its placement, the fused_adam switch, its
   checkpoint path) is untested.
+- Which Adam: without TE/Apex megatron-core builds torch's `AdamW` (a step count per parameter);
+  with TE importable, TE's `FusedAdam` (one step count per param group, `group["step"]`, and its
+  own state scaling). Checkpoints hold torch AdamW's form either way (`portable_state`,
+  `native_state`), so a run resumes on a machine with or without TE, offloaded or not; loading
+  sets only the hyperparameters on the live groups, never the implementation's own keys.
 """
 
 from typing import Any
@@ -175,9 +180,63 @@ def _load_hdo(hdo, saved: dict | None) -> None:
                 param.copy_(inner)
 
 
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def steps_per_group(optimizer: torch.optim.Optimizer) -> bool:
+    """TE's / Apex's FusedAdam count steps per param group; torch's Adam(W) per parameter."""
+    return not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+
+
+def portable_state(state_dict: dict, group_steps: bool) -> dict:
+    """An Adam `state_dict` in torch AdamW's form: a group's step count (`group_steps`, FusedAdam)
+    becomes each of its parameters' `step`; torch's own form is returned as it is."""
+    if not group_steps:
+        return state_dict
+    state = {i: dict(entry) for i, entry in state_dict["state"].items()}
+    groups = []
+    for group in state_dict["param_groups"]:
+        group = dict(group)
+        step = group.pop("step", None)
+        for i in group["params"]:
+            if step is not None and i in state:
+                state[i]["step"] = torch.tensor(float(step))
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def native_state(saved: dict, live_groups: list[dict], group_steps: bool) -> dict:
+    """`portable_state`'s form → a `state_dict` for the live optimizer: its own group keys with the
+    saved hyperparameters, and the steps where it keeps them (per group: one count, all equal)."""
+    if len(saved["param_groups"]) != len(live_groups):
+        raise ValueError(
+            f"optimizer state holds {len(saved['param_groups'])} param groups, this optimizer "
+            f"{len(live_groups)}"
+        )
+    state = {i: dict(entry) for i, entry in saved["state"].items()}
+    groups = []
+    for live, group in zip(live_groups, saved["param_groups"], strict=True):
+        native = {k: v for k, v in live.items() if k not in ("params", "step")}
+        native.update({k: group[k] for k in HYPERPARAMETERS if k in group})
+        native["params"] = list(group["params"])
+        if group_steps:
+            steps = {
+                float(state[i].pop("step")) for i in native["params"] if "step" in state.get(i, {})
+            }
+            if len(steps) > 1:
+                raise ValueError(
+                    f"optimizer state: one param group holds the step counts {sorted(steps)}; "
+                    "this optimizer (TE's FusedAdam) keeps one count per group"
+                )
+            if steps:
+                native["step"] = int(steps.pop())
+        groups.append(native)
+    return {"state": state, "param_groups": groups}
+
+
 def checkpoint_state(optimizer) -> list[dict]:
     """Per chained optimizer: a torch AdamW `state_dict` and the fp32 main params, in the
-    optimizer's parameter order (the same layout with and without offload).
+    optimizer's parameter order (the same layout with and without offload, TE or not).
 
     Saved directly rather than through Megatron's dp-zero gather: the engine is one rank, and the
     main params keep the fp32 precision the bf16 weights file cannot hold."""
@@ -190,7 +249,8 @@ def checkpoint_state(optimizer) -> list[dict]:
             state.append(_checkpoint_hdo(inner))
             continue
         mains = [p.detach().cpu() for group in inner.param_groups for p in group["params"]]
-        state.append({"optimizer": inner.state_dict(), "main_params": mains})
+        portable = portable_state(inner.state_dict(), steps_per_group(inner))
+        state.append({"optimizer": portable, "main_params": mains})
     return state
 
 
@@ -209,7 +269,8 @@ def load_state(optimizer, saved: list[dict] | None) -> None:
         elif part is None:
             inner.state.clear()
         else:
-            inner.load_state_dict(part["optimizer"])
+            group_steps = steps_per_group(inner)
+            inner.load_state_dict(native_state(part["optimizer"], inner.param_groups, group_steps))
             mains = [p for group in inner.param_groups for p in group["params"]]
             with torch.no_grad():
                 for main, value in zip(mains, part["main_params"], strict=True):

@@ -1,4 +1,12 @@
-"""Speed settings of the `megatron` trainer engine when TransformerEngine is absent (local spec).
+"""Speed settings of the `megatron` trainer engine: the layer spec (TransformerEngine's or the local
+one) and the local spec's speed switches.
+
+`layer_spec` (`use_te` decides): `te` builds megatron-core's TransformerEngine layer spec (TE's
+fused norm + linear, TE attention, TE's fused Adam inside megatron-core), `local` the local spec,
+`auto` TE when it is importable and the run allows it (not LoRA: the adapter reads the normed input
+TE's fused norm + linear never exposes; not CP: CP runs on our SDPA attention, `megatron_cp`).
+`te` where TE cannot be used, and the SDPA-only switches (`attention_backend`, `fused_rope`) on the
+TE spec, are refused with the reason.
 
 Each field is one measured speed-up (benchmarks/gpu_mfu.py turns them on one at a time and all
 together, side by side on the device); all default on because each is exact up to bf16 rounding:
@@ -34,8 +42,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from oneloop.backends.capabilities import CapabilityError
+
 AttentionBackend = Literal["auto", "flash", "cudnn", "efficient"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "cudnn", "efficient")
+LayerSpec = Literal["auto", "te", "local"]
+LAYER_SPECS: tuple[str, ...] = ("auto", "te", "local")
 
 
 @dataclass(frozen=True)
@@ -50,8 +62,13 @@ class MegatronSpeed:
     fused_adam: bool = True
     attention_backend: AttentionBackend = "auto"
     fused_rope: bool = False
+    layer_spec: LayerSpec = "auto"
 
     def __post_init__(self) -> None:
+        if self.layer_spec not in LAYER_SPECS:
+            raise ValueError(
+                f"layer_spec {self.layer_spec!r}: expected one of {', '.join(LAYER_SPECS)}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r}: expected one of "
@@ -71,7 +88,41 @@ class MegatronSpeed:
             fused_adam=False,
             attention_backend="auto",
             fused_rope=False,
+            layer_spec="local",
         )
+
+
+def use_te(speed: MegatronSpeed, *, te_importable: bool, lora_rank: int, cp: int) -> bool:
+    """Whether the engine builds TransformerEngine's layer spec (`layer_spec`, module docstring);
+    raises `CapabilityError` for what cannot be honoured."""
+    if speed.layer_spec == "local":
+        return False
+    why_not = [
+        why
+        for why, applies in (
+            ("TransformerEngine is not importable here (`import transformer_engine.pytorch`)",
+             not te_importable),
+            ("LoRA runs on the local spec (the adapter reads the normed input that TE's fused "
+             "norm + linear never exposes)", lora_rank > 0),
+            ("context parallelism runs on our SDPA attention (megatron_cp)", cp > 1),
+        )
+        if applies
+    ]  # fmt: skip
+    if why_not:
+        if speed.layer_spec == "te":
+            raise CapabilityError(
+                f"local.megatron.speed.layer_spec='te': {why_not[0]}; use 'auto' or 'local'"
+            )
+        return False
+    sdpa_only = [name for name, on in (("attention_backend", speed.attention_backend != "auto"),
+                                        ("fused_rope", speed.fused_rope)) if on]  # fmt: skip
+    if sdpa_only:
+        raise CapabilityError(
+            f"local.megatron.speed.{sdpa_only[0]} applies to the local spec's SDPA attention, but "
+            f"layer_spec={speed.layer_spec!r} builds the TransformerEngine spec here: set "
+            "layer_spec: local to use it, or leave it at its default"
+        )
+    return True
 
 
 def _sdpa_backends(name: str) -> list:

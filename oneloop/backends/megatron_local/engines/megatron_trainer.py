@@ -174,7 +174,9 @@ class MegatronTrainerEngine(TrainerEngine):
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(lora.seed or 0)
-        self.te = _te_available() and lora.rank == 0  # LoRA: local spec (megatron_lora says why)
+        self.te = megatron_speed.use_te(
+            self.speed, te_importable=_te_available(), lora_rank=lora.rank, cp=self.parallel.cp
+        )
         self.module = self._build_model()
         self._import_hf(_read_hf_weights(model_path))
         self.lora = (
@@ -430,6 +432,9 @@ class MegatronTrainerEngine(TrainerEngine):
     # Shared by every rank class of a group (TP, PP, CP, LoRA-TP): `hf_weights` / `lora.save` are
     # collectives there and group rank 0 writes the files they return.
 
+    def _layer_spec(self) -> str:
+        return "te" if self.te else "local"
+
     def _layout(self) -> dict[str, int]:
         return {"tp": self.parallel.tp, "pp": self.parallel.pp, "cp": self.parallel.cp}
 
@@ -448,7 +453,7 @@ class MegatronTrainerEngine(TrainerEngine):
             path = directory / optimizer_file(self._layout(), self.global_rank)
             torch.save(self._optimizer_state(), path)
         if self.global_rank == 0:
-            state = {"steps": self.steps, **self._layout()}
+            state = {"steps": self.steps, **self._layout(), "layer_spec": self._layer_spec()}
             (directory / ENGINE_STATE_FILE).write_text(json.dumps(state))
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # every file written before any rank returns
@@ -462,6 +467,14 @@ class MegatronTrainerEngine(TrainerEngine):
             raise ValueError(
                 f"{directory}: optimizer state was saved at local.megatron {sizes[0]}, this "
                 f"trainer runs {sizes[1]}; resume at the saved sizes or load the weights only"
+            )
+        saved_spec = state.get("layer_spec", "local")  # written before TE was built: local
+        if with_optimizer and steps > 0 and saved_spec != self._layer_spec():
+            raise ValueError(
+                f"{directory}: optimizer state was saved on the {saved_spec!r} layer spec, this "
+                f"trainer builds {self._layer_spec()!r} (local.megatron.speed.layer_spec): their "
+                "parameters are different modules; set layer_spec to the saved one to resume, or "
+                "load the weights only"
             )
         if self.lora:
             self.lora.load(directory)  # the full adapter; group ranks copy their parts
