@@ -109,7 +109,8 @@ class LocalBackendConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of both engines."""
     max_tokens_per_microbatch: int = Field(default=16384, gt=0)
-    """Token budget (padded tokens) of one trainer micro-batch."""
+    """Token budget (padded tokens) of one trainer micro-batch on one GPU (at megatron cp = C a GPU
+    holds 1/C of each sequence: a micro-batch then spans C × this many sequence tokens)."""
     torch_threads: int | None = Field(default=None, gt=0)
     """torch intra-op threads per actor; None = every core of the host."""
     samplers_per_model: int = Field(default=1, gt=0)

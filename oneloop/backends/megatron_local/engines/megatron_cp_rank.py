@@ -6,6 +6,8 @@ differs from a TP rank (`megatron_tp.MegatronTpRank`, which this class extends, 
 shard their weights and vocabulary as TP ranks do):
 - input: each micro-batch is right-padded to a multiple of 2·cp (padding masked) and each rank
   feeds its two chunks of tokens with their global position ids (`megatron_cp` layout);
+- micro-batch budget: `max_tokens_per_microbatch` counts the tokens one GPU holds, and a rank
+  holds 1/cp of every sequence, so the packing admits cp × the budget in sequence tokens;
 - loss: each rank backpropagates the Tinker loss (a SUM) of its own tokens, so the sum of the
   ranks' gradients is the gradient of the full loss. Megatron's DDP averages over the DP×CP group
   by default (it pre-scales by 1/dp_cp_size); `calculate_per_token_loss=True` makes that factor 1
@@ -117,6 +119,7 @@ class MegatronCpRank(MegatronTpRank):
         self.cp, self.global_rank = parallel.cp, rank
         self.cp_rank = (rank // parallel.tp) % parallel.cp
         super().__init__(model_path, lora, parallel=parallel, rank=rank % parallel.tp, **kwargs)
+        self.max_tokens_per_microbatch *= parallel.cp  # per GPU: a rank holds 1/cp of each sequence
         from megatron.core import parallel_state
 
         if parallel_state.get_context_parallel_rank() != self.cp_rank:
