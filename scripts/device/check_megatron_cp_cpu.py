@@ -12,8 +12,9 @@ summed-then-reduced gradients, the grad norm and the weights after the step. Bot
 settings (our RoPE at global positions, and Megatron's CP-sliced RoPE).
 
 CPU shims, here only (the spawned ranks import this file as their main module, so they get them):
-- `torch.cuda.current_device` → "cpu" (Megatron's RoPE moves its frequencies there), and
-  `torch.cuda.current_stream` → None (DDP's grad sync fetches it to wait on CUDA-graph events);
+- `cpu_megatron.cuda_calls_on_cpu`: `torch.cuda.current_device` → "cpu" (Megatron's RoPE moves its
+  frequencies there), and `torch.cuda.current_stream` → a no-op stream (DDP's grad sync fetches it
+  to wait on CUDA-graph events);
 - Megatron's `get_pos_emb_on_this_cp_rank` builds its chunk index with `pin_memory=True` and
   `.cuda()`: replaced by the same index_select on the tables' device;
 - Megatron's optimizer allocates on CUDA (`_dummy_overflow_buf`): the engine keeps Megatron's real
@@ -25,12 +26,12 @@ CPU shims, here only (the spawned ranks import this file as their main module, s
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import cpu_megatron as cm
 import numpy as np
 import torch
 
@@ -40,8 +41,7 @@ from oneloop.backends.megatron_local.engines.megatron_trainer import (
     MegatronTrainerEngine,
 )
 
-torch.cuda.current_device = lambda: "cpu"  # Megatron's RoPE: inv_freq.to(current_device())
-torch.cuda.current_stream = lambda device=None: None  # DDP grad sync (waits on no CUDA events)
+cm.cuda_calls_on_cpu()
 
 
 def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
@@ -113,48 +113,29 @@ LENGTHS = (37, 13, 7, 1, 22)  # none a multiple of 4 except none; 1 token pads t
 BUDGET = 64  # max_tokens_per_microbatch: several micro-batches
 
 
-def _tiny_model(directory: Path) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _weights(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    return {"weights": (rng.random(n) > 0.3).astype(np.float32)}
 
-    if not (directory / "config.json").is_file():
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=True,
-            max_position_embeddings=256,
-        )
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
+
+def _ppo(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    _weights(rng, n)  # drawn and dropped: the ppo data's numbers as they always were
+    return {
+        "logprobs": rng.normal(-4.8, 0.3, n).astype(np.float32),
+        "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
+    }
 
 
 def _data(loss: str):
-    from oneloop.backends.megatron_local.engines.base import DatumArrays
-
-    rng = np.random.default_rng(1 if loss == "ppo" else 0)
-    data = []
-    for n in LENGTHS:
-        tokens = rng.integers(0, 128, n + 1)
-        inputs = {"weights": (rng.random(n) > 0.3).astype(np.float32)}
-        if loss == "ppo":
-            inputs = {
-                "logprobs": rng.normal(-4.8, 0.3, n).astype(np.float32),
-                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
-            }
-        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
-    return data
+    if loss == "ppo":
+        return cm.random_data(np.random.default_rng(1), LENGTHS, _ppo)
+    return cm.random_data(np.random.default_rng(0), LENGTHS, _weights)
 
 
 def _run(tp: int, cp: int, fused_rope: bool, step: bool, work: Path) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
 
-    model = _tiny_model(work / "model")
+    model = cm.tiny_qwen3(work / "model")
     parallel = MegatronParallel(tp=tp, cp=cp, use_distributed_optimizer=False)
     kwargs = dict(
         dtype="float32",
@@ -163,17 +144,7 @@ def _run(tp: int, cp: int, fused_rope: bool, step: bool, work: Path) -> None:
         max_tokens_per_microbatch=BUDGET,
         speed=MegatronSpeed(fused_rope=fused_rope),
     )
-    if tp * cp == 1:
-        engine = MegatronTrainerEngine(model, LoraSpec(0), **kwargs)
-        call = engine._dump_grads
-    else:
-        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-
-        engine = MegatronGroupEngine(model, LoraSpec(0), timeout_s=300, **kwargs)
-
-        def call(path):
-            return engine._call("_dump_grads", path)
-
+    engine, call = cm.make_engine(model, LoraSpec(0), group=tp * cp > 1, **kwargs)
     out: dict = {}
     for loss in ("cross_entropy", "ppo"):
         result = engine.forward_backward(_data(loss), loss, None, forward_only=False)
@@ -186,7 +157,7 @@ def _run(tp: int, cp: int, fused_rope: bool, step: bool, work: Path) -> None:
     tag = f"tp{tp}cp{cp}"
     if step:
         out["step"] = engine.optim_step(ADAM)
-        call(str(work / f"grads_{tag}.npz"))
+        call("_dump_grads", str(work / f"grads_{tag}.npz"))
     after = engine.forward_backward(_data("cross_entropy"), "cross_entropy", None, True)
     out["after_loss"], out["after_lp"] = after.loss, [x.tolist() for x in after.logprobs]
     np.savez(work / f"weights_{tag}.npz", **{k: v.numpy() for k, v in engine.hf_weights().items()})
@@ -233,13 +204,11 @@ def _compare(work: Path, tag: str) -> dict:
         figures["optim_step"] = {
             "grad_norm_cp1": one["step"]["grad_norm:mean"],
             f"grad_norm_{tag}": many["step"]["grad_norm:mean"],
-            "grad_rel_diff_max": max(
-                float(np.abs(g1[k] - gn[k]).max() / (np.abs(g1[k]).max() + 1e-12)) for k in g1.files
-            ),
-            "weights_abs_diff_max": max(float(np.abs(w1[k] - wn[k]).max()) for k in w1.files),
+            "grad_rel_diff_max": cm.grad_rel_diff_max(g1, gn),
+            "weights_abs_diff_max": cm.max_abs_diff(w1, wn, w1.files),
         }
     else:  # TP > 1: no optimizer stand-in; weights unchanged, exported in the same HF layout
-        figures["weights_abs_diff_max"] = max(float(np.abs(w1[k] - wn[k]).max()) for k in w1.files)
+        figures["weights_abs_diff_max"] = cm.max_abs_diff(w1, wn, w1.files)
     return figures
 
 
@@ -280,10 +249,9 @@ def main() -> int:
     all_ok = True
     for fused in (0, 1):
         work = Path(tempfile.mkdtemp(prefix="megatron-cp-cpu-"))
-        for tp, cp in ((1, 1), (args.tp, args.cp)):
-            only = f"{tp},{cp},{fused},{int(args.tp == 1)}"  # the stand-in optimizer: TP = 1
-            cmd = [sys.executable, __file__, "--only", only, "--work", str(work)]
-            subprocess.run(cmd, check=True, timeout=900)
+        step = int(args.tp == 1)  # the stand-in optimizer: TP = 1
+        sizes = ((1, 1), (args.tp, args.cp))
+        cm.run_phases(__file__, work, (["--only", f"{t},{c},{fused},{step}"] for t, c in sizes))
         figures = _compare(work, f"tp{args.tp}cp{args.cp}")
         ok = _ok(figures)
         all_ok = all_ok and ok

@@ -18,61 +18,21 @@ TP = 1 does the same with the TP > 1 checkpoint.
 
 CPU shims, here only (never in product code): Megatron's DDP and optimizer allocate a few scalars
 on "cuda", wait on CUDA streams and check `param.type()` against `torch.cuda.*Tensor`; RoPE moves
-its frequencies to `torch.cuda.current_device()`. The patches below map those to the CPU for every
-rank (spawned ranks import this file as their main module, so the patches reach them too).
+its frequencies to `torch.cuda.current_device()`. `cpu_megatron.cuda_calls_on_cpu` with
+`allocations`, called below before oneloop is imported, maps those to the CPU for every rank
+(spawned ranks import this file as their main module, so the patches reach them too).
 """
 
 import argparse
-import functools
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import cpu_megatron as cm
 import numpy as np
-import torch
 
-
-def _cpu(device):
-    if isinstance(device, int) or str(device).startswith("cuda"):
-        return "cpu"
-    return device
-
-
-def _on_cpu(factory):
-    @functools.wraps(factory)
-    def inner(*args, **kwargs):
-        if kwargs.get("device") is not None:
-            kwargs["device"] = _cpu(kwargs["device"])
-        return factory(*args, **kwargs)
-
-    return inner
-
-
-for _name in ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like", "arange"):
-    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
-torch.cuda.current_device = lambda: "cpu"
-_tensor_type = torch.Tensor.type
-
-
-def _cuda_type_name(self, *args, **kwargs):  # Megatron's optimizers accept torch.cuda.* only
-    out = _tensor_type(self, *args, **kwargs)
-    if not args and not kwargs and out.startswith("torch.") and not out.startswith("torch.cuda."):
-        return out.replace("torch.", "torch.cuda.", 1)
-    return out
-
-
-class _NoStream:
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-
-torch.Tensor.type = _cuda_type_name
-torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+cm.cuda_calls_on_cpu(allocations=True)
 
 from oneloop.backends.megatron_local.engines import megatron_lora_shard as lshard  # noqa: E402
 from oneloop.backends.megatron_local.engines.megatron_trainer import (  # noqa: E402
@@ -93,8 +53,7 @@ def _dump_lora_grads(self, path: str) -> None:
         for part, params in ((lshard.LORA_A, delta.lora_A), (lshard.LORA_B, delta.lora_B)):
             grad = params[target].main_grad.detach().clone()
             if delta.tp.size > 1 and lshard.split_dim(target, part) is not None:
-                shards = [torch.empty_like(grad) for _ in range(delta.tp.size)]
-                torch.distributed.all_gather(shards, grad.contiguous(), group=delta.tp.group)
+                shards = cm.all_gather_parts(grad, delta.tp.size, delta.tp.group)
                 grad = lshard.gather_part(target, part, shards)
             grads[f"{name}.{part}"] = grad.float().numpy()
     if getattr(self, "rank", 0) == 0:
@@ -102,26 +61,6 @@ def _dump_lora_grads(self, path: str) -> None:
 
 
 MegatronTrainerEngine._dump_lora_grads = _dump_lora_grads
-
-
-def _tiny_model(directory: Path, tied: bool) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if not (directory / "config.json").is_file():
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=tied,
-            max_position_embeddings=256,
-        )
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
 
 
 def _start_adapter(work: Path, model: Path) -> Path:
@@ -139,46 +78,37 @@ def _start_adapter(work: Path, model: Path) -> Path:
     return out
 
 
-def _batch(seed: int, loss: str):
-    from oneloop.backends.megatron_local.engines.base import DatumArrays
+def _weights(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    return {"weights": (rng.random(n) > 0.2).astype(np.float32)}
 
-    rng = np.random.default_rng(seed)
-    data = []
-    for n in (20, 13, 7, 17):
-        tokens = rng.integers(0, 128, n + 1)
-        inputs = {"weights": (rng.random(n) > 0.2).astype(np.float32)}
-        if loss == "importance_sampling":
-            inputs = {
-                "logprobs": rng.normal(-5.0, 0.5, n).astype(np.float32),
-                "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
-            }
-        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs))
-    return data
+
+def _sampled(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    _weights(rng, n)  # drawn and dropped: these data's numbers as they always were
+    return {
+        "logprobs": rng.normal(-5.0, 0.5, n).astype(np.float32),
+        "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
+    }
+
+
+def _batch(seed: int, loss: str):
+    inputs = _sampled if loss == "importance_sampling" else _weights
+    return cm.random_data(np.random.default_rng(seed), (20, 13, 7, 17), inputs)
 
 
 def _run(tp: int, work: Path, tied: bool) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
 
-    model = _tiny_model(work / "model", tied)
-    spec = LoraSpec(RANK, seed=3)
-    kwargs = dict(dtype="float32", device="cpu", parallel=MegatronParallel(tp=tp))
+    model = cm.tiny_qwen3(work / "model", tied=tied)
+    spec, parallel = LoraSpec(RANK, seed=3), MegatronParallel(tp=tp)
+    engine, call = cm.make_engine(
+        model, spec, group=tp > 1, dtype="float32", device="cpu", parallel=parallel
+    )
+    init = engine.adapter()
+    np.savez(work / f"init{tp}.npz", **init.tensors)
     if tp == 1:
-        engine = MegatronTrainerEngine(model, spec, **kwargs)
-
-        def call(method, *args):
-            return getattr(engine, method)(*args)
-
-        init = engine.adapter()
-        np.savez(work / "init1.npz", **init.tensors)
         names = [(k, list(v.shape)) for k, v in sorted(init.tensors.items())]
         (work / "names.json").write_text(json.dumps(names))
-    else:
-        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-
-        engine = MegatronGroupEngine(model, spec, timeout_s=300, **kwargs)
-        call = engine._call
-        np.savez(work / f"init{tp}.npz", **engine.adapter().tensors)
     engine.load_state(_start_adapter(work, model), with_optimizer=False)
     out: dict[str, np.ndarray] = {}
     for loss in LOSSES:
@@ -230,7 +160,7 @@ def _probe_tp1(work: Path, tp: int, tied: bool) -> None:
     """TP = 1 loading the TP = `tp` checkpoint: optimizer refused, adapter loaded whole."""
     from oneloop.backends.megatron_local.engines.base import LoraSpec
 
-    model = _tiny_model(work / "model", tied)
+    model = cm.tiny_qwen3(work / "model", tied=tied)
     engine = MegatronTrainerEngine(model, LoraSpec(RANK, seed=3), dtype="float32", device="cpu")
     out: dict[str, np.ndarray] = {}
     try:
@@ -253,15 +183,11 @@ def _compare(work: Path, tp: int) -> tuple[dict, bool]:
     probe = np.load(work / "probe1.npz")
 
     def gap(prefix: str) -> float:
-        keys = [k for k in one.files if k.startswith(prefix)]
-        assert keys and sorted(keys) == sorted(k for k in many.files if k.startswith(prefix))
-        return max(float(np.abs(one[k] - many[k]).max()) for k in keys)
+        return cm.prefix_abs_diff_max(one, many, prefix)
 
     figures: dict = {
-        "init_adapter_abs_diff_max": max(float(np.abs(i1[k] - i_n[k]).max()) for k in i1.files),
-        "grad_rel_diff_max": max(
-            float(np.abs(g1[k] - gn[k]).max() / (np.abs(g1[k]).max() + 1e-12)) for k in g1.files
-        ),
+        "init_adapter_abs_diff_max": cm.max_abs_diff(i1, i_n, i1.files),
+        "grad_rel_diff_max": cm.grad_rel_diff_max(g1, gn),
         "grad_norm_tp1": float(one["grad_norm"]),
         f"grad_norm_tp{tp}": float(many["grad_norm"]),
         "adapter_after_step_abs_diff_max": gap("adapter/"),
@@ -329,9 +255,8 @@ def main() -> int:
         return 0
     work = Path(tempfile.mkdtemp(prefix="megatron-lora-tp-cpu-"))
     tied = [] if not args.untied else ["--untied"]
-    for phase in (["--only", "1"], ["--only", str(args.tp)], ["--probe", str(args.tp)]):
-        cmd = [sys.executable, __file__, *phase, "--work", str(work), *tied]
-        subprocess.run(cmd, check=True, timeout=900)
+    phases = (["--only", "1"], ["--only", str(args.tp)], ["--probe", str(args.tp)])
+    cm.run_phases(__file__, work, ([*phase, *tied] for phase in phases))
     figures, ok = _compare(work, args.tp)
     print("RESULT megatron_lora_tp_cpu", json.dumps(figures, indent=1))
     print("OK" if ok else "MISMATCH")

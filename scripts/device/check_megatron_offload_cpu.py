@@ -14,15 +14,15 @@ path, hyperparameters, state save/load), not the placement — tests/gpu/test_me
 checks that on the device. megatron-core's optimizer and HDO hard-code CUDA; `_cuda_on_cpu` below
 (this script only, never product code) runs them on the CPU: tensors allocated for "cuda" are
 CPU tensors that report `is_cuda` / a `torch.cuda.*Tensor` type, pinning is a copy, streams and
-events are no-ops.
+events are no-ops (`cpu_megatron.cuda_calls_on_cpu`).
 """
 
-import contextlib
 import copy
 import sys
 import tempfile
 from pathlib import Path
 
+import cpu_megatron as cm
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
@@ -83,63 +83,23 @@ def _cuda(device) -> bool:
     return isinstance(device, int) or torch.device(device).type == "cuda"
 
 
-class _Stream:
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def record_event(self, event=None) -> "_Event":
-        return _Event()
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Event(_Stream):
-    def wait(self, stream=None) -> None:
-        pass
-
-
 def _cuda_on_cpu() -> None:
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.current_stream = lambda device=None: _Stream()
-    torch.cuda.Stream, torch.cuda.Event = _Stream, _Event
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda device=None: None
+    cm.cuda_calls_on_cpu(device=0)  # an index: `_CudaOnCpu` takes it for a CUDA device
     _CudaOnCpu().__enter__()
-
-
-def _tiny_model(directory: Path) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-        max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
 
 
 def main() -> int:
     _cuda_on_cpu()
     from oneloop.backends.megatron_local.engines import megatron_offload
-    from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.megatron_trainer import (
         MegatronParallel,
         MegatronTrainerEngine,
     )
 
     work = Path(tempfile.mkdtemp(prefix="megatron-offload-cpu-"))
-    model = _tiny_model(work / "model")
-    rng = np.random.default_rng(0)
-    data = []
-    for n in (20, 13, 7):
-        tokens = rng.integers(0, 128, n + 1)
-        data.append(DatumArrays(tokens[:-1], tokens[1:], {"weights": np.ones(n, np.float32)}))
+    model = cm.tiny_qwen3(work / "model")
+    data = cm.random_data(np.random.default_rng(0), (20, 13, 7), cm.ones)
 
     def engine(offload: bool) -> MegatronTrainerEngine:
         parallel = MegatronParallel(optimizer_cpu_offload=offload)
@@ -155,7 +115,7 @@ def main() -> int:
         return {k: v.float().numpy() for k, v in e.hf_weights().items()}
 
     def max_diff(a: dict, b: dict) -> float:
-        return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+        return cm.max_abs_diff(a, b, a)
 
     runs = {}
     for offload in (False, True):

@@ -15,63 +15,25 @@ refused on every rank and the group keeps working. Compares every figure with th
 engine's; the one-process engine also loads the PP = 2 checkpoint (weights only, any tp/pp), and
 the TP × PP group must refuse the PP = 2 checkpoint's optimizer state (sizes differ).
 
-Megatron-core assumes CUDA in places a CPU run meets; the shims below (this script only, every
-rank: the spawned ranks import this file as their main module) make them CPU no-ops: RoPE and the
-p2p shape buffers use `torch.cuda.current_device()`, the DDP grad sync asks for the current CUDA
-stream, GPTModel moves the tied output-layer copy with `.cuda()`, the schedule, optimizer and
-grad-norm code allocate with `device="cuda"`, and the optimizer checks `param.type()` for
-`torch.cuda.*Tensor` names.
+Megatron-core assumes CUDA in places a CPU run meets; `cpu_megatron.cuda_calls_on_cpu` with
+`allocations` (this script only, every rank: the spawned ranks import this file as their main
+module) makes them CPU no-ops: RoPE and the p2p shape buffers use `torch.cuda.current_device()`,
+the DDP grad sync asks for the current CUDA stream, GPTModel moves the tied output-layer copy with
+`.cuda()`, the schedule, optimizer and grad-norm code allocate with `device="cuda"`, and the
+optimizer checks `param.type()` for `torch.cuda.*Tensor` names.
 """
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import cpu_megatron as cm
 import numpy as np
 import torch
 
-
-class _NullStream:
-    def wait_event(self, *_args) -> None:
-        pass
-
-    def wait_stream(self, *_args) -> None:
-        pass
-
-
-def _cpu(device):
-    return "cpu" if device is not None and str(device).startswith("cuda") else device
-
-
-def _on_cpu(factory):
-    def wrapped(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _cpu(kwargs["device"])
-        return factory(*args, **kwargs)
-
-    return wrapped
-
-
-_type = torch.Tensor.type
-
-
-def _cuda_type_name(self, *args, **kwargs):
-    name = _type(self, *args, **kwargs)
-    if not args and not kwargs and name.startswith("torch.") and ".cuda." not in name:
-        return "torch.cuda." + name[len("torch.") :]
-    return name
-
-
-torch.cuda.current_device = lambda: "cpu"
-torch.cuda.current_stream = lambda *_a, **_k: _NullStream()
-torch.cuda.synchronize = lambda *_a, **_k: None
-torch.Tensor.cuda = lambda self, *_a, **_k: self
-torch.Tensor.type = _cuda_type_name
-for _name in ("zeros", "ones", "empty", "tensor", "full"):
-    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
+cm.cuda_calls_on_cpu(allocations=True)
 
 ADAM = {
     "learning_rate": 1e-3,
@@ -85,36 +47,12 @@ BUDGET = 40  # lengths 20,13 | 7,17 | 9 → three micro-batches of shapes [2,20]
 SIZES = {"1": (1, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 
 
-def _tiny_model(directory: Path, tied: bool) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if not (directory / "config.json").is_file():
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=tied,
-            max_position_embeddings=256,
-        )
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
+def _weights(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    return {"weights": rng.uniform(0.0, 1.0, n).astype(np.float32)}
 
 
 def _data(seed: int):
-    from oneloop.backends.megatron_local.engines.base import DatumArrays
-
-    rng = np.random.default_rng(seed)
-    data = []
-    for n in (20, 13, 7, 17, 9):
-        tokens = rng.integers(0, 128, n + 1)
-        weights = rng.uniform(0.0, 1.0, n).astype(np.float32)
-        data.append(DatumArrays(tokens[:-1], tokens[1:], {"weights": weights}))
-    return data
+    return cm.random_data(np.random.default_rng(seed), (20, 13, 7, 17, 9), _weights)
 
 
 def _flat(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, np.ndarray]:
@@ -123,27 +61,19 @@ def _flat(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, np.ndarray
 
 def _run(name: str, tied: bool, work: Path) -> None:
     from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
-    from oneloop.backends.megatron_local.engines.megatron_trainer import (
-        MegatronParallel,
-        MegatronTrainerEngine,
-    )
+    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
     from oneloop.backends.megatron_local.losses import LossInputError
 
     tp, pp = SIZES[name]
     tag = f"{name}-{'tied' if tied else 'untied'}"
-    model = _tiny_model(work / f"model-{'tied' if tied else 'untied'}", tied)
+    model = cm.tiny_qwen3(work / f"model-{'tied' if tied else 'untied'}", layers=4, tied=tied)
     kwargs = dict(
         dtype="float32",
         device="cpu",
         parallel=MegatronParallel(tp=tp, pp=pp),
         max_tokens_per_microbatch=BUDGET,
     )
-    if name == "1":
-        engine = MegatronTrainerEngine(model, LoraSpec(0), **kwargs)
-    else:
-        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-
-        engine = MegatronGroupEngine(model, LoraSpec(0), timeout_s=300, **kwargs)
+    engine, _ = cm.make_engine(model, LoraSpec(0), group=name != "1", **kwargs)
     first, second = _data(1), _data(2)
     out: dict[str, np.ndarray] = {}
     r1 = engine.forward_backward(first, "cross_entropy", None, forward_only=False)
@@ -203,12 +133,6 @@ def _run(name: str, tied: bool, work: Path) -> None:
     np.savez(work / f"{tag}.npz", **out)
 
 
-def _max_diff(a: np.lib.npyio.NpzFile, b: np.lib.npyio.NpzFile, prefix: str) -> float:
-    keys = [k for k in a.files if k.startswith(prefix + "/")]
-    assert sorted(keys) == sorted(k for k in b.files if k.startswith(prefix + "/")), prefix
-    return max(float(np.abs(a[k] - b[k]).max()) for k in keys)
-
-
 def _compare(work: Path, name: str, tied: bool) -> dict[str, float]:
     kind = "tied" if tied else "untied"
     one, many = np.load(work / f"1-{kind}.npz"), np.load(work / f"{name}-{kind}.npz")
@@ -222,8 +146,8 @@ def _compare(work: Path, name: str, tied: bool) -> dict[str, float]:
         f"grad_norm_{name}": float(many["grad_norm1"]),
         "grad_norm_rel_diff": abs(float(one["grad_norm1"] - many["grad_norm1"]))
         / float(one["grad_norm1"]),
-        "weights_after_step_abs_diff_max": _max_diff(one, many, "w1"),
-        "weights_after_2_steps_abs_diff_max": _max_diff(one, many, "w2"),
+        "weights_after_step_abs_diff_max": cm.prefix_abs_diff_max(one, many, "w1/"),
+        "weights_after_2_steps_abs_diff_max": cm.prefix_abs_diff_max(one, many, "w2/"),
         "resume_vs_uninterrupted_abs_diff_max": max(
             float(np.abs(many[k] - many[k.replace("w2/", "w2resumed/")]).max())
             for k in many.files
@@ -272,9 +196,8 @@ def main() -> int:
     ok = True
     for tied in (True, False):
         kind = "tied" if tied else "untied"
-        for name in names:
-            cmd = [sys.executable, __file__, "--only", f"{name}-{kind}", "--work", str(work)]
-            subprocess.run(cmd, check=True, timeout=1800)
+        phases = (["--only", f"{name}-{kind}"] for name in names)
+        cm.run_phases(__file__, work, phases, timeout=1800)
         for name in names[:1] + names[2:]:
             figures = _compare(work, name, tied)
             print(f"RESULT megatron_pp_cpu {name} {kind}", json.dumps(figures))

@@ -9,18 +9,19 @@ loss, the exported HF weights and every parameter's gradient (sharded ones gathe
 summed over the TP group as the engine's optim_step does), a save/load round trip, an error all
 ranks raise alike (group stays usable) and a killed rank (a clear error).
 
-Megatron-core assumes CUDA in two places a CPU run meets, patched here for every rank (the spawned
-ranks import this file as their main module, so the patches below reach them too): RoPE moves its
-frequencies to `torch.cuda.current_device()`, and the DDP/optimizer allocate on CUDA — so this
-check leaves the optimizer out; optim_step is checked by tests/gpu/test_megatron_tp.py.
+Megatron-core assumes CUDA where a CPU run meets it: `cpu_megatron.cuda_calls_on_cpu` (RoPE moves
+its frequencies to `torch.cuda.current_device()`) for every rank (the spawned ranks import this
+file as their main module, so the patches below reach them too); the DDP/optimizer allocate on
+CUDA — so this check leaves the optimizer out; optim_step is checked by
+tests/gpu/test_megatron_tp.py.
 """
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import cpu_megatron as cm
 import numpy as np
 import torch
 
@@ -31,7 +32,7 @@ from oneloop.backends.megatron_local.engines.megatron_trainer import (
     MegatronTrainerEngine,
 )
 
-torch.cuda.current_device = lambda: "cpu"  # Megatron's RoPE: inv_freq.to(current_device())
+cm.cuda_calls_on_cpu()
 MegatronTrainerEngine._build_optimizer = lambda self: (self.module, None)  # CUDA-only in Megatron
 MegatronTrainerEngine._optimizers = lambda self: []
 
@@ -45,9 +46,7 @@ def _dump_grads(self, path: str) -> None:
         if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
             torch.distributed.all_reduce(grad, group=self._tp_group())
         if tp > 1 and tp_kind(name) != REPLICATED:
-            parts = [torch.empty_like(grad) for _ in range(tp)]
-            torch.distributed.all_gather(parts, grad.contiguous(), group=self._tp_group())
-            grad = gather(name, parts)
+            grad = gather(name, cm.all_gather_parts(grad, tp, self._tp_group()))
         grads[name] = grad.numpy()
     if rank == 0:
         np.savez(path, **grads)
@@ -57,47 +56,16 @@ MegatronTrainerEngine._dump_grads = _dump_grads
 megatron_tp.MegatronTpRank._dump_grads = _dump_grads
 
 
-def _tiny_model(directory: Path) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if not (directory / "config.json").is_file():
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=True,
-            max_position_embeddings=256,
-        )
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
-
-
 def _run(tp: int, work: Path) -> None:
-    from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.losses import LossInputError
 
-    model = _tiny_model(work / "model")
-    rng = np.random.default_rng(0)
-    data = []
-    for n in (20, 13, 7):
-        tokens = rng.integers(0, 128, n + 1)
-        data.append(DatumArrays(tokens[:-1], tokens[1:], {"weights": np.ones(n, np.float32)}))
-    kwargs = dict(dtype="float32", device="cpu", parallel=MegatronParallel(tp=tp))
-    if tp == 1:
-        engine = MegatronTrainerEngine(model, LoraSpec(0), **kwargs)
-
-        def call(method, *args):
-            return getattr(engine, method)(*args)
-    else:
-        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-
-        engine = MegatronGroupEngine(model, LoraSpec(0), timeout_s=300, **kwargs)
-        call = engine._call
+    model = cm.tiny_qwen3(work / "model")
+    data = cm.random_data(np.random.default_rng(0), (20, 13, 7), cm.ones)
+    parallel = MegatronParallel(tp=tp)
+    engine, call = cm.make_engine(
+        model, LoraSpec(0), group=tp > 1, dtype="float32", device="cpu", parallel=parallel
+    )
     result = engine.forward_backward(data, "cross_entropy", None, forward_only=False)
     call("_dump_grads", str(work / f"grads{tp}.npz"))
     weights = {k: v.numpy() for k, v in engine.hf_weights().items()}
@@ -132,9 +100,7 @@ def main() -> int:
         _run(args.only, args.work)
         return 0
     work = Path(tempfile.mkdtemp(prefix="megatron-tp-cpu-"))
-    for tp in (1, args.tp):
-        cmd = [sys.executable, __file__, "--only", str(tp), "--work", str(work)]
-        subprocess.run(cmd, check=True, timeout=900)
+    cm.run_phases(__file__, work, (["--only", str(tp)] for tp in (1, args.tp)))
     one, many = np.load(work / "tp1.npz"), np.load(work / f"tp{args.tp}.npz")
     g1, gn = np.load(work / "grads1.npz"), np.load(work / f"grads{args.tp}.npz")
     names = [k for k in one.files if k not in ("loss", "lp")]
@@ -142,10 +108,8 @@ def main() -> int:
         "loss_tp1": float(one["loss"]),
         f"loss_tp{args.tp}": float(many["loss"]),
         "logprob_abs_diff_max": float(np.abs(one["lp"] - many["lp"]).max()),
-        "weights_abs_diff_max": max(float(np.abs(one[k] - many[k]).max()) for k in names),
-        "grad_rel_diff_max": max(
-            float(np.abs(g1[k] - gn[k]).max() / (np.abs(g1[k]).max() + 1e-12)) for k in g1.files
-        ),
+        "weights_abs_diff_max": cm.max_abs_diff(one, many, names),
+        "grad_rel_diff_max": cm.grad_rel_diff_max(g1, gn),
     }
     print("RESULT megatron_tp_cpu", figures)
     ok = sorted(one.files) == sorted(many.files) and sorted(g1.files) == sorted(gn.files)
