@@ -38,11 +38,15 @@ STATE_KEYS = ("main_params", "exp_avg", "exp_avg_sq")
 
 class _CudaOnCpu(TorchFunctionMode):
     """Storages allocated for a CUDA device are CPU storages remembered here; tensors on them
-    report `is_cuda` and a `torch.cuda.*` type (what HDO and the distributed optimizer test)."""
+    report `is_cuda` and a `torch.cuda.*` type (what HDO and the distributed optimizer test).
+
+    They are held, not only their addresses: a freed one's address, reused by a plain CPU tensor
+    (HDO's CPU copy of a parameter), made that tensor report `is_cuda`, and now and then HDO kept
+    part of the update "on the GPU", which the engine refuses (the check failed at random)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.device_storages: set[int] = set()
+        self.device_storages: dict[int, torch.UntypedStorage] = {}
         self.is_cuda = torch.Tensor.is_cuda
 
     def _on_device(self, t) -> bool:
@@ -73,7 +77,8 @@ class _CudaOnCpu(TorchFunctionMode):
         out = func(*args, **kwargs)
         if to_device and isinstance(out, torch.Tensor):
             out = out.clone() if out is args[0] else out
-            self.device_storages.add(out.untyped_storage().data_ptr())
+            storage = out.untyped_storage()
+            self.device_storages[storage.data_ptr()] = storage
         return out
 
 
