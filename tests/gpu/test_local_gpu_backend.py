@@ -12,6 +12,7 @@ $OUT/local_gpu_backend_<placement>.json.
 """
 
 import concurrent.futures
+import json
 import time
 
 import numpy as np
@@ -24,7 +25,7 @@ pytest.importorskip("ray")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gpu_figures import model_dir, record  # noqa: E402
+from gpu_figures import layer_specs, model_dir, record  # noqa: E402
 from tinker import types  # noqa: E402
 
 from oneloop.backends import connect  # noqa: E402
@@ -33,6 +34,7 @@ from oneloop.backends.config import (  # noqa: E402
     LocalBackendConfig,
     VllmSettings,
 )
+from oneloop.backends.megatron_local.paths import TinkerPath  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 MODEL = "qwen3-0.6b-random"
@@ -172,6 +174,10 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
 
     saved = trainer.save_state("final").result()
     figures["saved"] = saved.path
+    # The trainer's layer spec, as its checkpoint records it: TE's wherever TE imports (`auto`).
+    engine_json = TinkerPath.parse(saved.path).directory(config.run_dir) / "engine.json"
+    figures["layer_spec"] = json.loads(engine_json.read_text())["layer_spec"]
+    assert figures["layer_spec"] == layer_specs()[-1]
     restored = service.create_training_client_from_state_with_optimizer(saved.path).result()
     probe = [sft_datum(np.random.default_rng(5), 256) for _ in range(4)]
     figures["restored_loss"] = [
