@@ -23,7 +23,8 @@ together, side by side on the device); all default on because each is exact up t
 - `swiglu_fusion`: megatron-core's `bias_activation_fusion` (SiLU(x1)·x2 forward and backward as
   torch.compile kernels, `megatron.core.fusions.fused_bias_swiglu`; needs no TE or APEX).
 - `fused_adam`: megatron-core falls back to `torch.optim.AdamW` without TE/APEX (foreach kernels);
-  switch its param groups to torch's single-kernel fused AdamW (same update rule).
+  switch its param groups to torch's single-kernel fused AdamW (same update rule). Where TE
+  imports, megatron-core builds TE's FusedAdam instead (either spec): already fused, nothing to do.
 - `attention_backend`: torch SDPA backend for the core attention: `auto` (torch's choice; GQA
   native), `flash`, `cudnn` or `efficient` (the last two get K/V expanded to the query heads).
 - `fused_rope` (opt-in until measured): RoPE applied inside the SDPA core attention as one
