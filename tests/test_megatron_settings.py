@@ -7,6 +7,7 @@ is an error naming its dotted path.
 """
 
 import dataclasses
+import re
 from dataclasses import replace
 
 import pytest
@@ -112,3 +113,22 @@ def test_the_baseline_is_the_local_spec_and_a_bad_spec_names_its_path():
     path = r"backend\.local\.megatron\.speed\.layer_spec"
     with pytest.raises(ConfigError, match=path):
         parse_backend_config({"local": {"megatron": {"speed": {"layer_spec": "TE"}}}})
+
+
+@pytest.mark.parametrize(
+    ("local", "message"),
+    [
+        ({"megatron": {"tp": 2}}, "local.megatron.tp configures the megatron engine, but "
+         "trainer_engine='torch'"),
+        ({"megatron": {"speed": {"layer_spec": "te"}}}, "local.megatron.speed.layer_spec "
+         "configures the megatron engine"),
+        ({"vllm": {"max_model_len": 8192}}, "local.vllm.max_model_len configures the vllm engine, "
+         "but sampler_engine='torch'"),
+    ],
+)  # fmt: skip
+def test_engine_settings_without_their_engine_are_refused_not_ignored(local, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_backend_config({"local": local})
+    engines = {"trainer_engine": "megatron", "sampler_engine": "vllm"}
+    parse_backend_config({"local": {**local, **engines}})  # with the engine: accepted
+    parse_backend_config({"local": {"megatron": {}, "vllm": {}}})  # defaults alone: nothing to read

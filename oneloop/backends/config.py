@@ -16,6 +16,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _changed_fields(settings: BaseModel, defaults: BaseModel) -> list[str]:
+    """Dotted names of the fields of `settings` that differ from `defaults` (nested: `a.b`)."""
+    changed = []
+    for name in type(settings).model_fields:
+        value, default = getattr(settings, name), getattr(defaults, name)
+        if isinstance(value, BaseModel):
+            changed += [f"{name}.{sub}" for sub in _changed_fields(value, default)]
+        elif value != default:
+            changed.append(name)
+    return changed
+
+
 class MegatronSpeedSettings(_Strict):
     """Layer spec and speed switches of the `megatron` engine (`megatron_speed` has the measured
     reason for each; all exact up to bf16 rounding). Defaults: the measured best."""
@@ -138,6 +150,22 @@ class LocalBackendConfig(_Strict):
     """Settings of the megatron trainer engine."""
     vllm: VllmSettings = VllmSettings()
     """Settings of the vllm sampler engine."""
+
+    @model_validator(mode="after")
+    def _engine_settings_need_their_engine(self) -> "LocalBackendConfig":
+        for section, knob, engine in (
+            ("megatron", "trainer_engine", "megatron"),
+            ("vllm", "sampler_engine", "vllm"),
+        ):
+            settings = getattr(self, section)
+            changed = _changed_fields(settings, type(settings)())
+            if getattr(self, knob) != engine and changed:
+                raise ValueError(
+                    f"local.{section}.{changed[0]} configures the {engine} engine, but "
+                    f"{knob}={getattr(self, knob)!r} (nothing would read it): set {knob}: "
+                    f"{engine}, or drop local.{section}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _gpu_sync_needs_vllm(self) -> "LocalBackendConfig":
