@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 LOSSES = ("cross_entropy", "importance_sampling")
 LENGTHS = (4096, 3001, 1027, 5)  # one long sequence per micro-batch, then ragged ones
-BUDGET = 4096  # max_tokens_per_microbatch: several micro-batches
+BUDGET = 4096  # max_tokens_per_microbatch: several micro-batches (a CP rank: per GPU, cp × this)
 
 
 def run_sequence(engine) -> dict:
