@@ -21,7 +21,7 @@ from oneloop.backends.megatron_local.engines.megatron_shard import (
     shard_all,
     tp_kind,
 )
-from tests.test_megatron_layout import random_qwen3
+from tests.backends.engines.test_megatron_layout import random_qwen3
 
 
 def _model(tied: bool) -> tuple[DenseShape, dict[str, torch.Tensor]]:

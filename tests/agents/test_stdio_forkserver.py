@@ -15,7 +15,7 @@ from oneloop.agents.demo_tasks.generator import SERVER_MODULE
 from oneloop.agents.environment import STDIO_EXIT_PREFIX, NoContainerEnvironment
 from oneloop.agents.stdio_forkserver import FORK_SERVERS, StdioForkServers
 from oneloop.errors import ConfigError
-from tests.test_environment import make_env
+from tests.agents.test_environment import make_env
 
 SERVER_ARGS = ["-m", SERVER_MODULE, "--answer-path", "/logs/agent/answer.txt"]
 TIMEOUT_S = 60.0

@@ -15,8 +15,8 @@ import yaml
 
 from oneloop.diagnostics import size
 
-FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
-ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 
 

@@ -16,7 +16,7 @@ from oneloop.agents.renderer import ChatRenderer, RendererError
 from oneloop.agents.tool_parsing import ToolCall, parse_hermes
 from oneloop.tiny_model import build_tiny_model
 
-QWEN3_TEMPLATE = Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja"
+QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_chat_template.jinja"
 # Strings the tokenizer turns into added tokens; free text containing them would be markup.
 MARKUP = ("<|", "|>", "<tool", "</tool", "<think", "</think")
 SETTINGS = settings(

@@ -19,7 +19,7 @@ import pytest
 
 from oneloop.agents.demo_tasks.generator import Difficulty, Fault, generate_tasks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def with_mcp_server(task_dir: Path, code: str, agent_timeout_sec: float | None = None) -> None:

@@ -13,7 +13,7 @@ from oneloop.errors import CapabilityError, ConfigError
 from oneloop.loop.config import load_config
 from oneloop.loop.train import check_capabilities
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "algo.max_steps=2",
     "algo.groups_per_step=2",
