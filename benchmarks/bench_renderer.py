@@ -6,7 +6,7 @@ and the tool calls: initial prompt (system + tools + user); then `--turns` turns
 → `append_sampled` (prompt check, digest) → `parse_reply` → the tool result of `--tool-chars`
 characters through `neutralize` + `truncate_middle` → `observation_delta` → `append_observation`;
 then `to_datum` (digest re-check) and `json.dumps(to_json())`. With `--agent-context` each turn
-also runs the agent's Harbor accounting (`mcp_agent._ContextFiller`: token counts, per-turn
+also runs the agent's Harbor accounting (`mcp_agent.ContextFiller`: token counts, per-turn
 `rollout_details`, `to_json()` into the metadata), as `run_episode`'s `on_turn` does.
 
 A "token" is one token id of a finished trajectory (initial prompt + sampled replies +
@@ -33,11 +33,11 @@ from harbor.models.agent.context import AgentContext
 from tinker import types
 from transformers import AutoTokenizer
 
-from oneloop.agents.mcp_agent import McpAgentConfig, McpToolbox, TurnRecord, _ContextFiller
+from oneloop.agents.mcp_agent import ContextFiller, McpAgentConfig, McpToolbox, TurnRecord
 from oneloop.agents.renderer import ChatRenderer
 from oneloop.agents.tito import Trajectory
 from oneloop.agents.tool_parsing import truncate_middle
-from oneloop.tiny_model import build_tiny_model
+from oneloop.tiny.model import build_tiny_model
 
 QWEN3_TEMPLATE = Path(__file__).parents[1] / "tests" / "fixtures" / "qwen3_chat_template.jinja"
 TOOLS = [
@@ -86,7 +86,7 @@ def one_trajectory(renderer: ChatRenderer, inputs: dict, agent_context: bool = F
     """Everything the agent does per trajectory except sampling and calling tools."""
     context, turns = AgentContext(), []
     toolbox = McpToolbox([], config=McpAgentConfig(sampler_key="bench", tokenizer_path="bench"))
-    fill = _ContextFiller(context, toolbox)
+    fill = ContextFiller(context, toolbox)
     messages = [{"role": "system", "content": "You are a calculator agent."},
                 {"role": "user", "content": inputs["question"]}]  # fmt: skip
     trajectory = Trajectory.start(renderer.initial_prompt(messages, TOOLS))
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--tool-chars", type=int, default=4000, help="characters per tool result")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     parser.add_argument("--agent-context", action="store_true",
-                        help="also run the agent's per-turn Harbor accounting (_ContextFiller)")
+                        help="also run the agent's per-turn Harbor accounting (ContextFiller)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
     if args.template == "qwen3":

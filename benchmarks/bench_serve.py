@@ -12,7 +12,7 @@ Measures, in one run on the same machine and backend:
     `resources/training.py` does) and the server's reference decoder `decode_forward_backward`
     (to `tinker.types`, taken only for bodies the fast path declines); and the server's whole
     way from the body to the engine's arrays, what it does before the Ray call (`to_engine`:
-    `proto_scan.decode_request`, straight to `DatumArrays`: a `proto_batch.DatumList`, whose
+    `fast_scan.decode_request`, straight to `DatumArrays`: a `fast_batch.DatumList`, whose
     per-datum views are made where first read, on the trainer actor after Ray unpickles the
     joined arrays), on the equal-length batch and on
     `request_ragged` (lengths drawn from [seq_len / 2, seq_len], same token budget);
@@ -68,21 +68,21 @@ from tinker.proto.response_conv import (
 )
 
 from oneloop.backends import BackendConfig, connect
-from oneloop.backends.megatron_local.clients import datum_to_arrays, forward_output
 from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult, SampledArrays
 from oneloop.backends.megatron_local.sample_batch import sample_response
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
-from oneloop.backends.megatron_local.serve.proto import (
-    decode_forward_backward,
-    encode_forward_backward_output,
-    encode_sample_response,
-)
-from oneloop.backends.megatron_local.serve.proto_scan import (
+from oneloop.backends.megatron_local.serve.codec.fast_scan import (
     ScannedForwardBackward,
     decode_request,
     scan_forward_backward,
 )
-from oneloop.tiny_model import TINY_MODEL_NAME
+from oneloop.backends.megatron_local.serve.codec.forward_backward_encoder import (
+    encode_forward_backward_output,
+)
+from oneloop.backends.megatron_local.serve.codec.reference import decode_forward_backward
+from oneloop.backends.megatron_local.serve.codec.sample_encoder import encode_sample_response
+from oneloop.backends.megatron_local.training_client import datum_to_arrays, forward_output
+from oneloop.tiny.model import TINY_MODEL_NAME
 
 TIMEOUT_S = 1800
 GOAL_CODEC_TOKENS_PER_S = 200e6

@@ -81,7 +81,7 @@ async def _mcp_connect_times(work: Path, n: int, forkserver: bool) -> list[float
 
 def _mcp_agent_setup(work: Path) -> tuple[dict, object]:
     from oneloop.backends import BackendConfig, connect
-    from oneloop.tiny_model import TINY_MODEL_NAME, build_tiny_model
+    from oneloop.tiny.model import TINY_MODEL_NAME, build_tiny_model
 
     model_dir = build_tiny_model()
     service = connect(BackendConfig(backend="local", run_dir=work / "backend", local={}))

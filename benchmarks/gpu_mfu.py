@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts" / "device"))
+sys.path.insert(0, str(ROOT / "scripts" / "device" / "runbook"))
 sys.path.insert(0, str(ROOT))
 
 from build_random_qwen3 import build  # noqa: E402
 
 from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  # noqa: E402
-from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed  # noqa: E402
+from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed  # noqa: E402
 
 PEAK_FLOPS = 989e12
 ADAM = dict(
@@ -87,12 +87,12 @@ def flops_per_token(cfg, seq: int) -> tuple[int, float]:
 
 def build_engine(kind: str, speed: MegatronSpeed | None, path: Path, budget: int):
     if kind == "torch":
-        from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+        from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
         return TorchTrainerEngine(
             path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=budget
         )
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     return MegatronTrainerEngine(
         path,

@@ -62,8 +62,9 @@ def main() -> None:  # noqa: PLR0915 (one straight-line benchmark)
     from transformers import AutoModelForCausalLM
 
     from oneloop.backends.megatron_local.engines.base import SampleRequest
-    from oneloop.backends.megatron_local.engines.nccl_sync import NcclSender, free_port
-    from oneloop.backends.megatron_local.engines.weight_layout import hf_to_vllm_layout, pack_flat
+    from oneloop.backends.megatron_local.ports import free_port
+    from oneloop.backends.megatron_local.weight_sync.layout import hf_to_vllm_layout, pack_flat
+    from oneloop.backends.megatron_local.weight_sync.nccl import NcclSender
 
     torch.cuda.set_device(0)
     trainer_dev = torch.device("cuda", 0)
@@ -89,7 +90,7 @@ def main() -> None:  # noqa: PLR0915 (one straight-line benchmark)
         NCCLWeightTransferUpdateInfo,
     )
 
-    from oneloop.backends.megatron_local.engines.vllm_sampler import VllmSamplerEngine
+    from oneloop.backends.megatron_local.engines.vllm.sampler import VllmSamplerEngine
 
     engine = VllmSamplerEngine(
         args.model_dir,

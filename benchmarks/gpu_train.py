@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts" / "device"))
+sys.path.insert(0, str(ROOT / "scripts" / "device" / "runbook"))
 sys.path.insert(0, str(ROOT))
 
 from build_random_qwen3 import build  # noqa: E402
@@ -90,7 +90,7 @@ def main() -> None:
     budget = args.seq * 2  # two sequences per micro-batch: fp32 logits of 4 × 4096 × 152k OOM
     results = {"shape": args.shape, "params": n_params, "seq": args.seq}
 
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     engine = MegatronTrainerEngine(
         path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=budget
@@ -103,7 +103,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 
-    from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+    from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
     engine = TorchTrainerEngine(
         path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=budget

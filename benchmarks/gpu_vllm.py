@@ -28,12 +28,9 @@ import numpy as np
 import torch
 
 from oneloop.backends.megatron_local.engines.base import SampleRequest
-from oneloop.backends.megatron_local.engines.vllm_sampler import VllmSamplerEngine
-from oneloop.backends.megatron_local.engines.weight_layout import (
-    make_ipc_weights,
-    pack_flat,
-    pack_for_engine,
-)
+from oneloop.backends.megatron_local.engines.vllm.sampler import VllmSamplerEngine
+from oneloop.backends.megatron_local.weight_sync.ipc import make_ipc_weights, pack_for_engine
+from oneloop.backends.megatron_local.weight_sync.layout import pack_flat
 
 RESULTS: list[dict] = []
 

@@ -1,21 +1,42 @@
 """The `oneloop` command line: `demo`, `train`, `serve`, `bench`, `eval`, `inspect`, `size`.
 
-Each subcommand lives in its own module (named below); this file only dispatches.
+Each subcommand lives in its own module (named below as `module:function`); this file only
+dispatches. `bench` is the one exception: the benchmarks live in the source tree's `benchmarks/`
+(they measure the code under development and are not part of the wheel), so `oneloop bench local`
+runs `benchmarks/bench_local.py` of the checkout this package was imported from, and says so
+when there is none (an installed wheel).
 """
 
 import argparse
 import importlib
+import runpy
 import sys
+from pathlib import Path
 
 COMMANDS = {
-    "demo": "oneloop.demo",
-    "train": "oneloop.loop.cli",
-    "serve": "oneloop.backends.megatron_local.serve.server",
-    "bench": "oneloop.bench",
-    "eval": "oneloop.diagnostics.eval_cli",
-    "inspect": "oneloop.diagnostics.inspect_cli",
-    "size": "oneloop.diagnostics.size",
+    "demo": "oneloop.loop.cli:demo",
+    "train": "oneloop.loop.cli:main",
+    "serve": "oneloop.backends.megatron_local.serve.server:serve_main",
+    "bench": "oneloop.cli:bench",
+    "eval": "oneloop.diagnostics.eval_cli:main",
+    "inspect": "oneloop.diagnostics.inspect_cli:main",
+    "size": "oneloop.diagnostics.size:main",
 }
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+"""The checkout's benchmarks (absent from an installed wheel)."""
+
+
+def bench(argv: list[str]) -> int:
+    """`oneloop bench local [...]`: `benchmarks/bench_local.py` of this checkout."""
+    script = BENCHMARKS_DIR / "bench_local.py"
+    if not script.is_file():
+        print(
+            f"error: oneloop bench needs the source tree's benchmarks/ ({script} not found); "
+            "benchmarks are not installed with the wheel: run it from a git checkout",
+            file=sys.stderr,
+        )
+        return 2
+    return runpy.run_path(str(script))["main"](argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oneloop", description=__doc__)
     parser.add_argument("command", choices=sorted(COMMANDS), help="what to run")
     args = parser.parse_args(argv[:1])
-    module = importlib.import_module(COMMANDS[args.command])
-    return module.main(argv[1:])
+    module, _, function = COMMANDS[args.command].partition(":")
+    return getattr(importlib.import_module(module), function)(argv[1:])
 
 
 if __name__ == "__main__":

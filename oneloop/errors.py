@@ -23,3 +23,27 @@ class CheckpointNotFoundError(RequestError):
 
 class BackendError(OneloopError, RuntimeError):
     """A backend component (actor, engine, server) failed while serving a valid request."""
+
+
+class LossInputError(RequestError):
+    """A loss name, `loss_fn_config` or `loss_fn_inputs` that the losses cannot use as given."""
+
+
+class MissingWeightsError(BackendError):
+    """The sampler lacks the weights a client needs (it restarted, or they were replaced by older
+    ones after a restart); the client re-installs its own and retries."""
+
+
+class MissingDependencyError(OneloopError, RuntimeError):
+    """A configured engine needs an optional dependency that is not installed here; the message
+    names the setting and the extra to install (`oneloop[gpu]` on a CUDA host)."""
+
+
+class WireError(OneloopError):
+    """A request `oneloop serve` refuses; `status` is the HTTP status, the message names the field.
+    `retry` overrides the SDK's retry decision for this response where set."""
+
+    def __init__(self, message: str, status: int = 400, *, retry: bool | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry = retry

@@ -12,7 +12,7 @@ import oneloop  # noqa: E402,F401  (sets the offline environment defaults)
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
-    from oneloop.tiny_model import build_tiny_model
+    from oneloop.tiny.model import build_tiny_model
 
     return build_tiny_model()
 

@@ -55,9 +55,10 @@ def taught(local_service, base: Path) -> dict:
     done = cache / "taught.json"
     if done.is_file():
         return json.loads(done.read_text())
+    from oneloop.agents.demo_tasks.demonstrations import demo_tool_specs, demonstration
     from oneloop.agents.renderer import ChatRenderer
-    from oneloop.loop.sft import demo_tool_specs, demonstration, sft_warm_start
-    from oneloop.tiny_model import TINY_MODEL_NAME, build_tiny_model
+    from oneloop.loop.sft import sft_warm_start
+    from oneloop.tiny.model import TINY_MODEL_NAME, build_tiny_model
 
     shutil.rmtree(cache, ignore_errors=True)
     tasks = _tasks(cache)

@@ -473,7 +473,7 @@ class McpToolAgent(BaseAgent):
             stderr_dir=self.logs_dir,
         )
         context.metadata = {"outcome": None, "sampler_key": self.config.sampler_key}
-        fill = _ContextFiller(context, toolbox)
+        fill = ContextFiller(context, toolbox)
         async with toolbox:
             episode = await run_episode(
                 sampler=sampler,
@@ -491,7 +491,7 @@ class McpToolAgent(BaseAgent):
         }
 
 
-class _ContextFiller:
+class ContextFiller:
     """Token counts, per-turn rollout details, tool counters and the TITO trajectory so far,
     written into Harbor's AgentContext after every sample (so a trial cut by Harbor's timeout
     still reports them). Per-turn token lists are kept and only new turns are added: rebuilding

@@ -1,7 +1,9 @@
 """Chat-template rendering for TITO agents, for any Hugging Face tokenizer with a `chat_template`.
 
 This module owns `ChatRenderer`: the initial prompt ids (system + tools + user, with the generation
-prompt), observation deltas, the stop tokens and the parsing of sampled replies.
+prompt), observation deltas, the stop tokens and the parsing of sampled replies; and, for SFT, a
+whole conversation laid out the same way (`conversation_tokens`: assistant turns as the model
+samples them, observations as the agent appends them).
 
 Observation deltas are rendered against a FIXED base conversation, never against the real history,
 so earlier turns are never re-rendered (templates such as Qwen3's render a past assistant turn
@@ -174,6 +176,77 @@ class ChatRenderer:
             position, stop = min(found)
             rest = rest[position + len(stop) :]
         return self.encode(rest)
+
+    def assistant_turn(
+        self,
+        history: Sequence[Message],
+        reply: Message,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """The tokens a model samples for `reply` after `history`: what the template writes after
+        the generation prompt, up to and including the first stop token (an SFT target)."""
+        before = self.render_text(history, tools=tools, add_generation_prompt=True)
+        after = self.render_text([*history, reply], tools=tools)
+        if not after.startswith(before):
+            raise RendererError(
+                "chat_template: an assistant turn does not extend the generation prompt"
+            )
+        text = after[len(before) :]
+        stops = [(text.find(s), s) for s in self.stop_strings if s in text]
+        if not stops:
+            raise RendererError("chat_template: the assistant turn has no stop token")
+        position, stop = min(stops)
+        return self.encode(text[: position + len(stop)])
+
+    def conversation_tokens(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[list[int], list[float]]:
+        """Token ids of a whole conversation laid out the way the agent builds a trajectory, and
+        weights: 1 on the assistant turns (their stop token included), 0 elsewhere.
+
+        The messages before the first assistant turn are the initial prompt (`initial_prompt`,
+        with `tools`); each assistant turn is `assistant_turn`; the messages between two assistant
+        turns (tool results, user notes) are one `observation_delta` after the stop token, tool
+        results neutralised as the agent does. A layout the agent never builds (no prompt before
+        the first assistant turn, two assistant turns in a row, no assistant turn last) raises
+        RendererError.
+        """
+        roles = [m.get("role") for m in messages]
+        if "assistant" not in roles or roles[0] == "assistant" or roles[-1] != "assistant":
+            raise RendererError(
+                "messages: a conversation needs a prompt, then assistant turns, the last one an "
+                "assistant turn"
+            )
+        first = roles.index("assistant")
+        history = [dict(m) for m in messages[:first]]
+        tokens = self.initial_prompt(history, tools)
+        weights = [0.0] * len(tokens)
+        index = first
+        while index < len(messages):
+            reply = dict(messages[index])
+            turn = self.assistant_turn(history, reply, tools)
+            tokens += turn
+            weights += [1.0] * len(turn)
+            history.append(reply)
+            index += 1
+            observation = []
+            while index < len(messages) and roles[index] != "assistant":
+                message = dict(messages[index])
+                if message.get("role") == "tool" and isinstance(message.get("content"), str):
+                    message["content"] = self.neutralize(message["content"])
+                observation.append(message)
+                index += 1
+            if index < len(messages) and not observation:
+                raise RendererError(
+                    f"messages[{index}]: two assistant turns in a row; an observation (tool "
+                    "results or a user message) comes between them"
+                )
+            if observation:
+                delta = self.observation_delta(observation, after_stop_token=True)
+                tokens += delta
+                weights += [0.0] * len(delta)
+                history += observation
+        return tokens, weights
 
     def neutralize(self, text: str) -> str:
         """`text` with each control-token string (`<|im_end|>`, ...) broken by a zero-width space

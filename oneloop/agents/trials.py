@@ -259,7 +259,9 @@ def _trial_config(spec: dict[str, Any], trial_name: str, sampler_key: str | None
     )
 
 
-async def _run_one_trial(spec: dict[str, Any], sampling_client: Any) -> TrajectoryResult:
+async def run_one_trial(spec: dict[str, Any], sampling_client: Any) -> TrajectoryResult:
+    """One Harbor trial for `spec` (the runner's per-trial dict) in the calling event loop; every
+    failure comes back as a `TrajectoryResult` with its outcome class, never as an exception."""
     from harbor.trial.trial import Trial
 
     started = time.monotonic()
@@ -323,7 +325,7 @@ def _trial_task(spec: dict[str, Any], sampling_client: Any) -> TrajectoryResult:
     """Body of the Ray task: its own event loop, one trial."""
     import oneloop  # noqa: F401  (sets Harbor's offline defaults in this worker)
 
-    return asyncio.run(_run_one_trial(spec, sampling_client))
+    return asyncio.run(run_one_trial(spec, sampling_client))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Backends: `connect(config)` returns a Tinker-shaped ServiceClient.
 
-- `local`  → `megatron_local.clients.LocalServiceClient` (Ray cluster of our engines).
+- `local`  → `megatron_local.service_client.LocalServiceClient` (Ray cluster of our engines).
 - `tinker` → `tinker_remote.connect_remote` (the official SDK's own `ServiceClient`).
 """
 
@@ -13,11 +13,12 @@ __all__ = ["BackendConfig", "capabilities", "connect", "parse_backend_config"]
 
 
 def connect(config: BackendConfig | dict) -> Any:
-    """A ServiceClient for `config.backend`; a dict is validated first (errors name dotted paths)."""
+    """A ServiceClient for `config.backend`; a dict is validated first (errors name dotted
+    paths)."""
     if isinstance(config, dict):
         config = parse_backend_config(config)
     if config.backend == "local":
-        from oneloop.backends.megatron_local.clients import LocalServiceClient
+        from oneloop.backends.megatron_local.service_client import LocalServiceClient
 
         return LocalServiceClient(config)
     from oneloop.backends.tinker_remote import connect_remote

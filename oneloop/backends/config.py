@@ -29,7 +29,7 @@ def _changed_fields(settings: BaseModel, defaults: BaseModel) -> list[str]:
 
 
 class MegatronSpeedSettings(_Strict):
-    """Layer spec and speed switches of the `megatron` engine (`megatron_speed` has the measured
+    """Layer spec and speed switches of the `megatron` engine (`megatron.speed` has the measured
     reason for each; all exact up to bf16 rounding). Defaults: the measured best."""
 
     fused_logprobs: bool = True
@@ -59,11 +59,11 @@ class MegatronSettings(_Strict):
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel size: ranks 1.. run as worker processes on the trainer actor's other GPUs
     (give the actor `gpus_per_trainer` = tp GPUs); LoRA adapters are split like their base
-    linears (`megatron_lora_tp`), with pp = cp = 1."""
+    linears (`megatron.parallel.lora_tp`), with pp = cp = 1."""
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel size: the decoder layers split evenly over pp stages (pp must divide
     num_hidden_layers), run by megatron-core's 1F1B schedule over the token-budget micro-batches
-    (`megatron_pp`); combines with tp, the group being tp × pp ranks (`gpus_per_trainer` = tp ·
+    (`megatron.parallel.pp`); combines with tp, the group being tp × pp ranks (`gpus_per_trainer` = tp ·
     pp · cp); full fine-tuning only (LoRA needs pp = 1)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel size: each sequence split over cp ranks (Megatron's 2·cp-chunk layout, K/V
@@ -74,7 +74,7 @@ class MegatronSettings(_Strict):
     """Megatron's distributed optimizer (fp32 main params sharded over data-parallel ranks)."""
     optimizer_cpu_offload: bool = False
     """Keep optimizer state (fp32 main params, Adam moments) and the AdamW update of every
-    parameter on the CPU (`megatron_offload`): ~12 GPU bytes a parameter saved, step time spent;
+    parameter on the CPU (`megatron.offload`): ~12 GPU bytes a parameter saved, step time spent;
     needs bf16 trained weights (no LoRA), the distributed optimizer and tp = pp = cp = 1."""
     speed: MegatronSpeedSettings = MegatronSpeedSettings()
     """Layer spec (TransformerEngine or local) and speed switches (`local.megatron.speed.*`)."""

@@ -169,7 +169,7 @@ def tokenizer_path(service: Any, sampler: Any, explicit: str | None) -> str:
     base = sampler.get_base_model()
     if hasattr(service, "resolve_model"):
         return str(service.resolve_model(base))
-    from oneloop.tiny_model import build_tiny_model, named_tiny_specs
+    from oneloop.tiny.model import build_tiny_model, named_tiny_specs
 
     if base in named_tiny_specs():
         return str(build_tiny_model(named_tiny_specs()[base]))

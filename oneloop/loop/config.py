@@ -1,11 +1,14 @@
 """The training run's one typed config: parsed from YAML plus dotted CLI overrides, validated once.
 
-`load_config(path, overrides)` reads a YAML file (or a preset name from `scripts/configs/`), applies
-`a.b.c=value` overrides (values parsed as YAML scalars), validates with pydantic (unknown keys
-rejected) and raises `ConfigError` naming the dotted path of every bad key. A mode is on when its
-sub-config is set (`sft`, `eval`, `checkpoint`). The same file runs on both backends.
+`load_config(path, overrides)` reads a YAML file (or the name of a preset shipped in the package,
+`oneloop/loop/presets/`, found through `importlib.resources` so an installed wheel has them too),
+applies `a.b.c=value` overrides (values parsed as YAML scalars), validates with pydantic (unknown
+keys rejected) and raises `ConfigError` naming the dotted path of every bad key. A mode is on when
+its sub-config is set (`sft`, `eval`, `checkpoint`). The same file runs on both backends.
 """
 
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from oneloop.backends.config import BackendConfig, format_validation_error
 from oneloop.errors import ConfigError
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "configs"
+PRESETS_PACKAGE = "oneloop.loop"
+"""The package whose `presets/` folder holds the shipped `*.yaml` presets (package data)."""
 
 
 class _Strict(BaseModel):
@@ -42,11 +46,16 @@ class DemoTasksConfig(_Strict):
     """Seed of the task generator."""
     difficulties: list[Literal["easy", "medium", "hard"]] = ["easy", "medium"]
     """Difficulty levels to cycle through."""
+    wrong_tool_fraction: dict[Literal["+", "-", "*", "/"], Annotated[float, Field(ge=0, le=1)]] = {}
+    """Share of the demonstrations (`sft.data: demo`), by the question's last operator, that call
+    the inverse tool (deliberately imperfect SFT for RL to correct; see
+    `oneloop.agents.demo_tasks.demonstrations`); {} = none."""
 
 
 class TasksConfig(_Strict):
     dir: Path | None = None
-    """Harbor task directories under `<dir>/train/*` and `<dir>/eval/*`; None = generate the demo family."""
+    """Harbor task directories under `<dir>/train/*` and `<dir>/eval/*`; None = generate the demo
+    family."""
     demo: DemoTasksConfig = DemoTasksConfig()
     """The generated demo task family (used when `dir` is None)."""
 
@@ -133,18 +142,18 @@ class AlgoConfig(_Strict):
 
 
 class SftConfig(_Strict):
+    data: Literal["demo"] | Path
+    """Chat-conversation JSONL with tool calls, one per line (see `oneloop.loop.sft`); "demo" = the
+    demonstrations written beside the generated demo tasks (tasks.dir null)."""
     steps: int = Field(default=40, ge=1)
     """Supervised warm-start steps (count)."""
     batch_size: int = Field(default=16, ge=1)
-    """Demonstrations per step (count)."""
+    """Conversations per step (count)."""
     learning_rate: float = Field(default=3e-3, gt=0)
     """AdamW learning rate of the warm start (the peak, with a schedule)."""
     lr_schedule: Literal["constant", "linear"] = "constant"
     """"linear" decays the rate from `learning_rate` to 0 over `steps`, so the warm start ends in
     a settled state rather than on a full-size step."""
-    wrong_tool_fraction: dict[Literal["+", "-", "*", "/"], Annotated[float, Field(ge=0, le=1)]] = {}
-    """Share of demonstrations, by the question's last operator, that call the inverse tool
-    (deliberately imperfect SFT for RL to correct; see `oneloop.loop.sft`); {} = none."""
 
 
 class EvalConfig(_Strict):
@@ -203,9 +212,10 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        if self.sft is not None and self.tasks.dir is not None:
+        if self.sft is not None and self.sft.data == "demo" and self.tasks.dir is not None:
             raise ValueError(
-                "sft: the warm start needs demonstrations; it supports the demo task family only (tasks.dir must be null)"
+                "sft.data: 'demo' is the generated demo tasks' demonstrations, but tasks.dir is "
+                "set; give the path of a chat-conversation JSONL"
             )
         return self
 
@@ -222,16 +232,29 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def resolve_config_path(name: str | Path) -> Path:
-    """A YAML path, or the name of a preset in scripts/configs/ (with or without .yaml)."""
+def presets() -> Traversable:
+    """The shipped presets' folder, wherever the package is installed (source tree or wheel)."""
+    return resources.files(PRESETS_PACKAGE) / "presets"
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets (`demo-cpu`, ...), sorted."""
+    return sorted(
+        entry.name.removesuffix(".yaml")
+        for entry in presets().iterdir()
+        if entry.name.endswith(".yaml") and entry.is_file()
+    )
+
+
+def resolve_config_path(name: str | Path) -> Path | Traversable:
+    """A YAML path, or the name of a shipped preset (with or without .yaml)."""
     path = Path(name)
     if path.is_file():
         return path
-    for candidate in (PRESETS_DIR / f"{path.name}.yaml", PRESETS_DIR / path.name):
-        if candidate.is_file():
-            return candidate
-    presets = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-    raise ConfigError(f"config: {name!s} is neither a file nor a preset; presets: {presets}")
+    stem = path.name.removesuffix(".yaml")
+    if stem in preset_names():
+        return presets() / f"{stem}.yaml"
+    raise ConfigError(f"config: {name!s} is neither a file nor a preset; presets: {preset_names()}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

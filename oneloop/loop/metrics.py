@@ -117,9 +117,10 @@ class ReportsBackendMetrics(Protocol):
 
     `backend_metrics()` returns cumulative counts since the client started, keyed `backend/...`;
     it may block briefly (the loop calls it in a thread, once per step, with a timeout).
-    Implementations: `megatron_local.clients.LocalServiceClient` (`backend/sampler_restarts`).
-    The tinker SDK's ServiceClient has no such hook (also against `oneloop serve`), so a
-    `--backend tinker` run logs no `backend/` keys: absent means not reported, not zero.
+    Implementations: `megatron_local.service_client.LocalServiceClient`
+    (`backend/sampler_restarts`). The tinker SDK's ServiceClient has no such hook (also against
+    `oneloop serve`), so a `--backend tinker` run logs no `backend/` keys: absent means not
+    reported, not zero.
     """
 
     def backend_metrics(self) -> dict[str, float]: ...

@@ -1,178 +1,170 @@
-"""SFT warm start through the same seam: demonstrations of the demo task family, `cross_entropy`.
+"""SFT warm start through the same seam: any chat-conversation JSONL with tool calls.
 
-A demonstration is rendered exactly the way the agent builds its trajectories (initial prompt with
-the MCP server's real tool list, assistant turns closed by the stop token, observation deltas from
-the renderer), so the warm start teaches the token layout the agent will sample in. Tool results
-come from the real calculator server, called in process.
+`sft.data` names a JSONL file with one conversation per line, in the OpenAI chat shape:
 
-With `wrong_tool_fraction` set (the CPU demo's preset sets `sft.wrong_tool_fraction`) the
-demonstrations are deliberately imperfect, a departure from "SFT on expert data" made on purpose:
-that share of the training tasks, by the question's last operator, is demonstrated with a plausible
-mistake, the inverse tool for the last operation (`add` for `-`, `multiply` for `/`, and back),
-whose result is then submitted (wrong; for the easy questions always). Every demonstration still
-copies the numbers, calls a tool and submits its result, so SFT teaches the whole format; what it
-leaves uncertain is the choice of tool. The share is exact per operator (`mistaken_questions`):
-just above one half, it makes the mistake what greedy decoding does after SFT, while sampling at
-temperature 1 still finds the right tool almost half the time. RL,
-whose reward only the right tool earns, has to shift that choice: the usual division of labour,
-SFT for format and RL for correctness, made visible on a model small enough for 2 CPU cores.
-Which tasks get the mistake depends only on the question texts (a hash), so it is reproducible.
+    {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "...",
+                   "tool_calls": [{"type": "function", "function": {"name": "...",
+                                   "arguments": {...} or "<JSON text>"}}]}, ...],
+     "tools": [{"type": "function", "function": {"name": "...", "description": "...",
+                "parameters": {...}}}]}                                      (tools optional)
+
+`read_conversations` checks every line and raises ConfigError naming the file, the line number and
+the field. Each conversation is rendered by the project's renderer
+(`ChatRenderer.conversation_tokens`) exactly as the agent lays out a trajectory: the messages before
+the first assistant turn are the initial prompt (with the tool list), assistant turns are closed by
+the stop token, the messages between them are observation deltas. So the warm start teaches the
+token layout the agent samples in; weights are 1 on the assistant turns, the loss `cross_entropy`.
+Extra keys of a message (`tool_call_id`, `name`, ...) go to the chat template as they are.
+
+Nothing here knows the demo: `sft.data: demo` is resolved by the loop to the demonstrations that
+`oneloop.agents.demo_tasks.demonstrations` writes beside the generated demo tasks.
 """
 
-import ast
 import asyncio
-import hashlib
 import json
-import tempfile
-from collections.abc import Mapping, Sequence
-from fractions import Fraction
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tinker import types
 
-from oneloop.agents.demo_tasks.generator import DemoTask, instruction_text
-from oneloop.agents.demo_tasks.server import build_server
-from oneloop.agents.renderer import ChatRenderer
+from oneloop.agents.renderer import ChatRenderer, RendererError
+from oneloop.errors import ConfigError
 
-_TOOLS = {ast.Add: "add", ast.Sub: "subtract", ast.Mult: "multiply", ast.Div: "divide"}
-# The plausible wrong tool of each operation: its inverse.
-INVERSE_TOOL = {"add": "subtract", "subtract": "add", "multiply": "divide", "divide": "multiply"}
-
-
-def demo_tool_specs() -> list[dict[str, Any]]:
-    """The calculator server's tools in the shape the agent gives the renderer."""
-    server = build_server(Path(tempfile.gettempdir()) / "oneloop-sft-answer.txt")
-    tools = asyncio.run(server.list_tools())
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.name,
-                "description": t.description or "",
-                "parameters": t.input_schema,
-            },
-        }
-        for t in tools
-    ]
+ROLES = ("system", "user", "assistant", "tool")
+FIELDS = ("messages", "tools")
+Fail = Callable[[str, str], ConfigError]
+"""Builds the error for (field, why) of one line."""
 
 
-def _steps(expression: str, wrong_last: bool = False) -> tuple[list[tuple[str, Any]], Fraction]:
-    """Tool calls that evaluate `expression` innermost first, [(tool, {"a": .., "b": ..})], and
-    the value they give; with `wrong_last` the last call uses `INVERSE_TOOL` of the right one."""
-    calls: list[tuple[str, dict[str, Any]]] = []
-    root = ast.parse(expression, mode="eval").body
+@dataclass(frozen=True)
+class Conversation:
+    """One line of an SFT data file: its chat messages and tool list (None = no tools)."""
 
-    def visit(node: ast.expr) -> Fraction:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return Fraction(node.value)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -visit(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in _TOOLS:
-            a, b = visit(node.left), visit(node.right)
-            tool = _TOOLS[type(node.op)]
-            if wrong_last and node is root:
-                tool = INVERSE_TOOL[tool]
-            calls.append((tool, {"a": _num(a), "b": _num(b)}))
-            ops = {
-                "add": a + b,
-                "subtract": a - b,
-                "multiply": a * b,
-                "divide": a / b if b else Fraction(0),
-            }
-            return ops[tool]
-        raise ValueError(f"not a demo expression: {ast.dump(node)}")
-
-    value = visit(root)
-    return calls, value
+    source: str
+    """Where it came from, `<file>, line <n>` (error messages name it)."""
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None
 
 
-def _num(value: Fraction) -> int | float:
-    return int(value) if value.denominator == 1 else float(value)
+def read_conversations(path: Path) -> list[Conversation]:
+    """Every conversation of the JSONL file `path`, in file order (blank lines skipped)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(f"sft.data: cannot read {path}: {error.strerror or error}") from None
+    conversations = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            conversations.append(parse_conversation(line, f"{path}, line {number}"))
+    if not conversations:
+        raise ConfigError(f"sft.data: {path} holds no conversations (one JSON object per line)")
+    return conversations
 
 
-def _question_hash(task: DemoTask) -> bytes:
-    return hashlib.sha256(task.question.text.encode()).digest()
+def parse_conversation(line: str, source: str) -> Conversation:
+    """One JSONL line as a Conversation; ConfigError `sft.data: <source>: <field>: <why>`."""
+
+    def fail(field: str, why: str) -> ConfigError:
+        return ConfigError(f"sft.data: {source}: {field}: {why}")
+
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise fail("(line)", f"not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise fail("(line)", 'expected a JSON object {"messages": [...], "tools": [...]}')
+    for key in record:
+        if key not in FIELDS:
+            raise fail(key, f"unknown field (expected {', '.join(FIELDS)})")
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise fail("messages", "expected a non-empty list of chat messages")
+    for index, message in enumerate(messages):
+        _check_message(message, f"messages[{index}]", fail)
+    _check_layout([m["role"] for m in messages], fail)
+    tools = record.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise fail("tools", "expected a list of tool specs")
+        for index, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict):
+                raise fail(f"tools[{index}]", 'expected {"type": "function", "function": {...}}')
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise fail(f"tools[{index}].function.name", "expected a non-empty string")
+    return Conversation(source, tuple(messages), tuple(tools) if tools else None)
 
 
-def mistaken_questions(tasks: Sequence[DemoTask], fractions: Mapping[str, float]) -> frozenset[str]:
-    """The questions whose demonstration makes the wrong-tool mistake: for each last operator,
-    exactly round(share × its tasks) of them (`fractions`: operator → share, absent = 0), the ones
-    whose question text hashes lowest. Exact shares matter: the demo relies on the mistake being
-    the majority for greedy decoding yet close enough to half for RL to overturn."""
-    by_operator: dict[str, list[DemoTask]] = {}
-    for task in tasks:
-        by_operator.setdefault(task.question.text.split()[-2], []).append(task)
-    chosen: set[str] = set()
-    for operator, group in by_operator.items():
-        count = round(fractions.get(operator, 0.0) * len(group))
-        chosen.update(t.question.text for t in sorted(group, key=_question_hash)[:count])
-    return frozenset(chosen)
+def _check_message(message: Any, field: str, fail: Fail) -> None:
+    if not isinstance(message, dict):
+        raise fail(field, "expected an object with role and content")
+    role = message.get("role")
+    if role not in ROLES:
+        raise fail(f"{field}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    if role == "assistant" and calls is not None:
+        if content is not None and not isinstance(content, str):
+            raise fail(f"{field}.content", "expected a string or null")
+        if not isinstance(calls, list) or not calls:
+            raise fail(f"{field}.tool_calls", "expected a non-empty list of tool calls")
+        for index, call in enumerate(calls):
+            _check_tool_call(call, f"{field}.tool_calls[{index}]", fail)
+    elif calls is not None:
+        raise fail(f"{field}.tool_calls", f"only assistant messages call tools, not {role}")
+    elif not isinstance(content, str):
+        raise fail(f"{field}.content", f"expected a string, got {type(content).__name__}")
 
 
-def demonstration(
-    task: DemoTask,
-    renderer: ChatRenderer,
-    tools: list[dict[str, Any]],
-    system_prompt: str | None,
-    wrong_tool: bool = False,
-) -> tuple[list[int], list[float]]:
-    """Token ids of one episode and weights (1 on the assistant's tokens): the calculator path,
-    with the wrong last tool when `wrong_tool` (see `mistaken_questions` and the module doc)."""
-    messages: list[dict[str, Any]] = []
-    if system_prompt is not None:
-        messages.append({"role": "system", "content": system_prompt})
-    messages.append({"role": "user", "content": instruction_text(task.question)})
-    tokens = renderer.initial_prompt(messages, tools)
-    weights = [0.0] * len(tokens)
-    steps, value = _steps(task.question.text, wrong_tool)
-    submitted = _num(value)
-    calls = [*steps, ("submit_answer", {"answer": submitted})]
-    with tempfile.TemporaryDirectory(prefix="oneloop-sft-") as scratch:
-        server = build_server(Path(scratch) / "answer.txt")
-        for name, arguments in calls:
-            reply = {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {"type": "function", "function": {"name": name, "arguments": arguments}}
-                ],
-            }
-            assistant = _assistant_tokens(renderer, messages, reply, tools)
-            tokens += assistant
-            weights += [1.0] * len(assistant)
-            result = asyncio.run(server.call_tool(name, arguments))
-            text = "".join(getattr(c, "text", "") for c in result.content)
-            observation = [
-                {"role": "tool", "tool_call_id": "call_0", "name": name, "content": text}
-            ]
-            delta = renderer.observation_delta(observation, after_stop_token=True)
-            tokens += delta
-            weights += [0.0] * len(delta)
-            messages += [reply, *observation]
-    final = {"role": "assistant", "content": f"The answer is {submitted}."}
-    assistant = _assistant_tokens(renderer, messages, final, tools)
-    return tokens + assistant, weights + [1.0] * len(assistant)
+def _check_tool_call(call: Any, field: str, fail: Fail) -> None:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise fail(field, 'expected {"type": "function", "function": {"name", "arguments"}}')
+    if call.get("type", "function") != "function":
+        raise fail(f"{field}.type", f"expected 'function', got {call['type']!r}")
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise fail(f"{field}.function.name", "expected a non-empty string")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise fail(f"{field}.function.arguments", "a string must hold a JSON object") from None
+    if not isinstance(arguments, dict):
+        raise fail(f"{field}.function.arguments", "expected a JSON object (or its JSON text)")
 
 
-def _assistant_tokens(
-    renderer: ChatRenderer,
-    messages: list[dict[str, Any]],
-    reply: dict[str, Any],
-    tools: list[dict[str, Any]],
-) -> list[int]:
-    """The assistant turn's tokens up to and including its stop token, as the template renders."""
-    before = renderer.render_text(messages, tools=tools, add_generation_prompt=True)
-    after = renderer.render_text([*messages, reply], tools=tools)
-    if not after.startswith(before):
-        raise ValueError("chat_template: an assistant turn does not extend the generation prompt")
-    text = after[len(before) :]
-    stops = [(text.find(s), s) for s in renderer.stop_strings if s in text]
-    if not stops:
-        raise ValueError("chat_template: the assistant turn has no stop token")
-    position, stop = min(stops)
-    return renderer.encode(text[: position + len(stop)])
+def _check_layout(roles: list[str], fail: Fail) -> None:
+    """The layout the agent builds: a prompt, then assistant turns with observations between."""
+    if "assistant" not in roles:
+        raise fail("messages", "no assistant message: nothing to learn")
+    if roles[0] == "assistant":
+        raise fail("messages[0].role", "the conversation opens with a prompt, not the assistant")
+    if roles[-1] != "assistant":
+        raise fail(f"messages[{len(roles) - 1}].role", "the last message must be the assistant's")
+    for index in range(1, len(roles)):
+        if roles[index] == roles[index - 1] == "assistant":
+            raise fail(
+                f"messages[{index}].role",
+                "two assistant turns in a row; a tool result or user message comes between them",
+            )
+
+
+def render_conversations(
+    conversations: Sequence[Conversation], renderer: ChatRenderer
+) -> list[tuple[list[int], list[float]]]:
+    """(token ids, weights) of each conversation as the agent would lay it out; a template that
+    cannot render one raises ConfigError naming its file and line."""
+    rendered = []
+    for conversation in conversations:
+        try:
+            rendered.append(renderer.conversation_tokens(conversation.messages, conversation.tools))
+        except RendererError as error:
+            raise ConfigError(f"sft.data: {conversation.source}: {error}") from None
+    return rendered
 
 
 def sft_datum(tokens: Sequence[int], weights: Sequence[float], scale: float) -> types.Datum:
@@ -195,8 +187,8 @@ async def sft_warm_start(
     log: Any,
     lr_schedule: str = "constant",
 ) -> None:
-    """`steps` cross_entropy steps over shuffled demonstrations (token-mean per batch), at a
-    constant rate or one decaying linearly to 0 (`lr_schedule`)."""
+    """`steps` cross_entropy steps over shuffled rendered conversations (token-mean per batch),
+    at a constant rate or one decaying linearly to 0 (`lr_schedule`)."""
     if lr_schedule not in ("constant", "linear"):
         raise ValueError(f"sft.lr_schedule: expected 'constant' or 'linear', got {lr_schedule!r}")
     rng = np.random.default_rng(seed)
@@ -214,13 +206,3 @@ async def sft_warm_start(
             await opt
         log(step, {"sft/loss_per_token": out.metrics["loss:sum"], "sft/tokens": float(total),
                    "sft/learning_rate": rate})  # fmt: skip
-
-
-def demo_system_prompt() -> str | None:
-    """The demo uses no system prompt: the instruction says what to do."""
-    return None
-
-
-def dump_demo(tokens: list[int], weights: list[float], renderer: ChatRenderer) -> str:
-    """A readable rendering (for debugging): the text with trained spans in brackets."""
-    return json.dumps({"text": renderer.decode(tokens), "trained": int(sum(weights))})

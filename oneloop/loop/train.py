@@ -1,8 +1,9 @@
 """The training loop: one async RL loop against the Tinker client surface, on either backend.
 
-Reads top to bottom (`train`): connect and check capabilities → tasks → trainer (fresh or resumed)
-→ SFT warm start → held-out eval → RL steps (take B groups → datums → forward_backward + optim_step
-submitted back to back → publish new weights → log → checkpoint) → held-out eval → plots.
+Reads top to bottom (`train`): check capabilities → tasks and SFT data → connect → trainer (fresh
+or resumed) → SFT warm start → held-out eval → RL steps (take B groups → datums →
+forward_backward + optim_step submitted back to back → publish new weights → log → checkpoint) →
+held-out eval → plots.
 Rollouts run concurrently in `RolloutPool` under the staleness gate; the trainer only waits when no
 B groups are ready (`time/wait_for_rollouts`). Departure from textbook GRPO: groups are trained in
 finish order, sorted by sample id within a step so a step's batch does not depend on timing.
@@ -18,13 +19,14 @@ from typing import Any
 
 from tinker import types
 
+from oneloop.agents.demo_tasks.demonstrations import DEMONSTRATIONS_FILE, write_demonstrations
 from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate_tasks
 from oneloop.agents.providers import container_free_warning, preflight_environment
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
 from oneloop.backends import capabilities, connect
 from oneloop.backends.capabilities import Capabilities
 from oneloop.backends.ray_runtime import init_ray
-from oneloop.errors import CapabilityError
+from oneloop.errors import CapabilityError, ConfigError
 from oneloop.loop.advantages import (
     ScoredGroup,
     build_datums,
@@ -37,7 +39,12 @@ from oneloop.loop.data import TaskSource
 from oneloop.loop.metrics import BackendCounters, MetricsLogger, truncate_after
 from oneloop.loop.plots import write_plots
 from oneloop.loop.rollouts import RolloutPool
-from oneloop.loop.sft import demo_tool_specs, demonstration, mistaken_questions, sft_warm_start
+from oneloop.loop.sft import (
+    Conversation,
+    read_conversations,
+    render_conversations,
+    sft_warm_start,
+)
 from oneloop.loop.staleness import StalenessGate
 
 log = logging.getLogger(__name__)
@@ -51,7 +58,7 @@ class Run:
     service: Any
     trainer: Any
     tokenizer_path: str
-    splits: TaskSplits | None
+    sft_data: list[Conversation]
     train_tasks: list[Path]
     eval_tasks: list[Path]
     state: LoopState
@@ -130,10 +137,16 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
         else ("snapshot" if cfg.algo.sampler_kind == "auto" else cfg.algo.sampler_kind)
     )
     check_capabilities(caps, cfg, kind)
-    service = connect(cfg.backend)
-    init_ray(include_dashboard=False, configure_logging=False)  # tinker: Ray runs the trials
     splits, train_tasks, eval_tasks = _tasks(cfg)
     previous = last_checkpoint(cfg.run_dir) if resume else None
+    sft_data: list[Conversation] = []
+    if cfg.sft is not None and not (previous is not None and previous.sft_done):
+        # Read and checked before the backend starts: a bad file fails in seconds.
+        path = await sft_data_path(cfg, splits)
+        sft_data = await asyncio.to_thread(read_conversations, path)
+        log.info("sft.data: %d conversations from %s", len(sft_data), path)
+    service = connect(cfg.backend)
+    init_ray(include_dashboard=False, configure_logging=False)  # tinker: Ray runs the trials
     if previous is not None:
         trainer = await asyncio.wait_for(
             service.create_training_client_from_state_with_optimizer(previous.trainer_path),
@@ -162,7 +175,8 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     )
     tokenizer_path = trainer.get_info().model_data.tokenizer_id or cfg.model.base_model
     return Run(
-        cfg, service, trainer, tokenizer_path, splits, train_tasks, eval_tasks, state, logger, kind
+        cfg, service, trainer, tokenizer_path, sft_data, train_tasks, eval_tasks, state, logger,
+        kind,
     )
 
 
@@ -183,6 +197,22 @@ def check_capabilities(caps: Capabilities, cfg: TrainConfig, kind: str) -> None:
             raise CapabilityError(f"{path}: {error}") from None
 
 
+async def sft_data_path(cfg: TrainConfig, splits: TaskSplits | None) -> Path:
+    """The chat-conversation JSONL the warm start reads: `sft.data`, or for `sft.data: demo` the
+    demonstrations of the generated training tasks, written beside them (`DEMONSTRATIONS_FILE`)."""
+    assert cfg.sft is not None
+    if cfg.sft.data != "demo":
+        return Path(cfg.sft.data)
+    if splits is None:  # the config validator rejects `demo` with tasks.dir; kept for callers
+        raise ConfigError("sft.data: 'demo' needs the generated demo tasks (tasks.dir null)")
+    path = cfg.run_dir / "tasks" / DEMONSTRATIONS_FILE
+    fractions = dict(cfg.tasks.demo.wrong_tool_fraction)
+    # In a thread: writing calls the calculator MCP server in process (its own event loop).
+    return await asyncio.to_thread(
+        write_demonstrations, path, splits.train, fractions, cfg.agent.system_prompt
+    )
+
+
 def task_dirs(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]:
     """(demo splits or None, train task dirs, held-out task dirs) of `cfg.tasks`."""
     return _tasks(cfg)
@@ -194,8 +224,6 @@ def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]
         train = sorted(p for p in (root / "train").glob("*") if (p / "task.toml").is_file())
         held = sorted(p for p in (root / "eval").glob("*") if (p / "task.toml").is_file())
         if not train:
-            from oneloop.errors import ConfigError
-
             raise ConfigError(f"tasks.dir: no Harbor tasks under {root / 'train'}")
         return None, train, held
     demo = cfg.tasks.demo
@@ -250,19 +278,14 @@ def trial_runner_config(
 
 
 async def warm_start(run: Run) -> dict[str, float]:
+    """`sft.steps` cross_entropy steps on the conversations of `sft.data`, rendered with the
+    model's chat template as the agent lays out its trajectories."""
     cfg = run.cfg
-    assert cfg.sft is not None and run.splits is not None
+    assert cfg.sft is not None and run.sft_data
     from oneloop.agents.renderer import ChatRenderer
 
     renderer = ChatRenderer.from_pretrained(run.tokenizer_path)
-    tools = await asyncio.to_thread(demo_tool_specs)
-    mistaken = mistaken_questions(run.splits.train, cfg.sft.wrong_tool_fraction)
-    demos = await asyncio.to_thread(
-        lambda: [
-            demonstration(t, renderer, tools, cfg.agent.system_prompt, t.question.text in mistaken)
-            for t in run.splits.train  # type: ignore[union-attr]
-        ]
-    )
+    demos = await asyncio.to_thread(render_conversations, run.sft_data, renderer)
     losses: list[float] = []
     rates: list[float] = []
 
@@ -289,6 +312,7 @@ async def warm_start(run: Run) -> dict[str, float]:
         "sft/loss_last": losses[-1],
         "sft/steps": float(len(losses)),
         "sft/learning_rate_last": rates[-1],
+        "sft/examples": float(len(demos)),
     }
 
 

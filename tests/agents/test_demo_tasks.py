@@ -19,6 +19,11 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
 from oneloop.agents.demo_tasks import Difficulty, Fault, generate_tasks
+from oneloop.agents.demo_tasks.demonstrations import (
+    demo_tool_specs,
+    demonstration,
+    mistaken_questions,
+)
 from oneloop.agents.demo_tasks.server import CRASH_EXIT_CODE, HUGE_RESULT_CHARS
 from oneloop.agents.environment import (
     NO_CONTAINER_IMPORT_PATH,
@@ -27,7 +32,6 @@ from oneloop.agents.environment import (
 )
 from oneloop.agents.renderer import ChatRenderer
 from oneloop.errors import ConfigError
-from oneloop.loop.sft import demo_tool_specs, demonstration, mistaken_questions
 
 MCP_TIMEOUT_SEC = 30.0
 

@@ -370,7 +370,7 @@ def test_a_misspelt_verifier_kwarg_is_an_infra_error_naming_it(tmp_path, monkeyp
 def test_trial_runner_config_selects_the_judge_verifier(judge_server, tmp_path, monkeypatch) -> None:
     """`rollout.verifier_import_path` / `verifier_kwargs` reach Harbor's TrialConfig: the trial
     the runner builds (run here in-process, as its Ray task would) is graded by the judge."""
-    from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, _run_one_trial
+    from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, run_one_trial
 
     monkeypatch.setenv("TEST_JUDGE_KEYS", ",".join(fresh_keys(1)))
     judge_server.script = []
@@ -390,7 +390,7 @@ def test_trial_runner_config_selects_the_judge_verifier(judge_server, tmp_path, 
     )  # fmt: skip
     splits = generate_tasks(tmp_path / "tasks", n_train=1, n_eval=0, seed=5)
     spec = {**runner._spec_base, "task": str(splits.train[0].path)}
-    result = asyncio.run(asyncio.wait_for(_run_one_trial(spec, None), timeout=180))
+    result = asyncio.run(asyncio.wait_for(run_one_trial(spec, None), timeout=180))
     assert result.outcome is TrialOutcome.OK, result.error
     assert result.reward == 0.5  # the judge's default verdict: criterion 1 met, 2 not
     assert len(judge_server.requests) == 1

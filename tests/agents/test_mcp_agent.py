@@ -402,7 +402,7 @@ class RecordingSampler:
 
 def test_real_local_sampler_on_the_tiny_model(tmp_path, tiny_model_path, local_service,
                                               server_script):  # fmt: skip
-    from oneloop.tiny_model import TINY_MODEL_NAME
+    from oneloop.tiny.model import TINY_MODEL_NAME
 
     client = local_service.create_sampling_client(base_model=TINY_MODEL_NAME).result()
     sampler = RecordingSampler(client)

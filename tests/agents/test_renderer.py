@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from oneloop.agents.renderer import ChatRenderer, RendererError
 from oneloop.agents.tool_parsing import ToolCall, parse_hermes
-from oneloop.tiny_model import build_tiny_model
+from oneloop.tiny.model import build_tiny_model
 
 QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_chat_template.jinja"
 # Strings the tokenizer turns into added tokens; free text containing them would be markup.

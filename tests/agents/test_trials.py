@@ -258,7 +258,7 @@ def _sft_sampling_client(
 ):
     """A sampling client of the tiny model after SFT on `reply` for every instruction."""
     from oneloop.agents.renderer import ChatRenderer
-    from oneloop.tiny_model import TINY_MODEL_NAME
+    from oneloop.tiny.model import TINY_MODEL_NAME
 
     renderer = ChatRenderer.from_pretrained(model_dir)
     completion = renderer.encode(reply) + [renderer.stop_token_ids[0]]

@@ -154,7 +154,7 @@ def test_staleness_cap_matches_the_seed_figures_and_presets(capsys) -> None:
     KV cache; every preset carrying the seed's knobs stays within the staleness cap."""
     r = run_json(capsys, FIXTURES / "qwen3-8b.json")
     assert r["staleness_cap"] == 1024 > 550
-    for preset in sorted((ROOT / "scripts" / "configs").glob("qwen*.yaml")):
+    for preset in sorted((ROOT / "oneloop" / "loop" / "presets").glob("qwen*.yaml")):
         cfg = yaml.safe_load(preset.read_text())
         algo = cfg["algo"]
         r = run_json(

@@ -34,7 +34,7 @@ from oneloop.backends.config import (  # noqa: E402
     LocalBackendConfig,
     VllmSettings,
 )
-from oneloop.backends.megatron_local.paths import TinkerPath  # noqa: E402
+from oneloop.backends.megatron_local.checkpoints import TinkerPath  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 MODEL = "qwen3-0.6b-random"

@@ -1,4 +1,4 @@
-"""The `megatron` trainer at CP = 2 (two GPUs, `megatron_group`, no TransformerEngine) against
+"""The `megatron` trainer at CP = 2 (two GPUs, `megatron.group`, no TransformerEngine) against
 CP = 1, same random Qwen3 (0.6 B shape, bf16) at long sequences (4096 tokens plus ragged lengths
 that are not multiples of 2·cp): forward_backward loss and target logprobs, grad norm and the update
 after one optim_step (cosine in float64), forward_only after the step, save/load restore.
@@ -47,7 +47,7 @@ def run_sequence(engine) -> dict:
 
 def reference_cp1(path: Path, out: Path) -> None:
     """CP = 1 in this (sub)process; results → `out` (torch.save)."""
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     engine = MegatronTrainerEngine(
         path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=BUDGET
@@ -78,8 +78,8 @@ def cp1(model, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def cp2(model, cp1):  # cp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
     engine = MegatronGroupEngine(
         model,

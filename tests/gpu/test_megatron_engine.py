@@ -28,8 +28,8 @@ def path(tmp_path_factory):
 
 
 def megatron_engine(path, spec: str):
-    from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     speed = MegatronSpeed(layer_spec=spec)
     engine = MegatronTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda", speed=speed)
@@ -40,7 +40,7 @@ def megatron_engine(path, spec: str):
 
 @pytest.fixture(scope="module", params=layer_specs())
 def engines(request, path):
-    from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+    from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
     ref = TorchTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
     return megatron_engine(path, request.param), ref, request.param
@@ -160,11 +160,11 @@ def _flat(adapter, names) -> torch.Tensor:
 def lora_engines(tmp_path_factory):
     """Megatron and torch LoRA engines on the same random Qwen3 with the same adapter: the torch
     engine's A (B = 0 in both) enters the megatron engine through its LoRA checkpoint path."""
-    from oneloop.backends.megatron_local.engines.megatron_trainer import (
+    from oneloop.backends.megatron_local.engines.megatron.trainer import (
         ENGINE_STATE_FILE,
         MegatronTrainerEngine,
     )
-    from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+    from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
     path = model_dir(tmp_path_factory.mktemp("lora-model"))
     ref = TorchTrainerEngine(path, LORA, dtype="bfloat16", device="cuda")

@@ -1,4 +1,4 @@
-"""LoRA on the `megatron` trainer at TP = 2 (two GPUs, `megatron_group` → `megatron_lora_tp`)
+"""LoRA on the `megatron` trainer at TP = 2 (two GPUs, `megatron.group` → `parallel.lora_tp`)
 against TP = 1, same random Qwen3 (0.6 B shape, bf16) and the same start adapter (B != 0, loaded
 through the LoRA checkpoint path): forward_backward loss and target logprobs, grad norm and the
 adapter after one optim_step, logprobs after the step, merged sampler weights, the PEFT adapter's
@@ -76,7 +76,7 @@ def run_sequence(engine) -> dict:
 
 def reference_tp1(path: Path, work: Path) -> None:
     """TP = 1 in this (sub)process: writes the start adapter, the results and a checkpoint."""
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     engine = MegatronTrainerEngine(path, LORA, dtype="bfloat16", device="cuda")
     init = engine.adapter().tensors
@@ -109,8 +109,8 @@ def tp1(model, tmp_path_factory) -> tuple[dict, Path]:
 
 @pytest.fixture(scope="module")
 def tp2(model, tp1):  # tp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
     engine = MegatronGroupEngine(
         model, LORA, dtype="bfloat16", device="cuda", parallel=MegatronParallel(tp=2)

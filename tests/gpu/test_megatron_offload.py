@@ -5,7 +5,7 @@ AdamParams: same loss and grad norm, same weights within bf16 tolerance, the opt
 round trip with offload, and a checkpoint written without offload resumed with it.
 
 Regression: the flag reached megatron-core, whose offload fraction defaults to 0.0, so nothing
-was offloaded (`megatron_offload`). Device only
+was offloaded (`megatron.offload`). Device only
 (`pytest -m gpu tests/gpu/test_megatron_offload.py`); figures → $OUT/megatron_offload.json.
 """
 
@@ -31,7 +31,7 @@ ADAM_2 = dict(  # every field differs from ADAM's: each must reach the CPU AdamW
 
 
 def _engine(path, offload: bool):
-    from oneloop.backends.megatron_local.engines.megatron_trainer import (
+    from oneloop.backends.megatron_local.engines.megatron.trainer import (
         MegatronParallel,
         MegatronTrainerEngine,
     )
@@ -86,7 +86,7 @@ def runs(tmp_path_factory):
 
 
 def test_offload_matches_plain_and_frees_gpu_memory(runs) -> None:
-    from oneloop.backends.megatron_local.engines import megatron_offload
+    from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
 
     before, plain, off = runs["before"], runs["plain"], runs["offload"]
     dot = norm_p = norm_o = 0.0
@@ -153,8 +153,8 @@ def test_offload_save_load_round_trip(runs, tmp_path) -> None:
 
 def test_checkpoint_without_offload_resumes_with_offload(runs) -> None:
     """The optimizer state has one layout with and without offload (megatron_offload)."""
-    from oneloop.backends.megatron_local.engines import megatron_offload
-    from oneloop.backends.megatron_local.engines.megatron_trainer import OPTIMIZER_FILE
+    from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
+    from oneloop.backends.megatron_local.engines.megatron.trainer import OPTIMIZER_FILE
 
     engine = runs["engine"]
     engine.load_state(runs["plain_ckpt"], with_optimizer=True)

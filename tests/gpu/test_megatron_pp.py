@@ -1,4 +1,4 @@
-"""The `megatron` trainer at PP = 2 (two GPUs, `megatron_group` + `megatron_pp`) against PP = 1,
+"""The `megatron` trainer at PP = 2 (two GPUs, `megatron.group` + `parallel.pp`) against PP = 1,
 same random Qwen3 (0.6 B shape, 28 layers, tied embeddings, bf16): forward_backward loss and
 target logprobs over several token-budget micro-batches of different shapes, grad norm and HF
 weights after one optim_step (update cosine in float64), save/load restore with per-rank optimizer
@@ -48,7 +48,7 @@ def run_sequence(engine) -> dict:
 
 def reference_pp1(path: Path, out: Path) -> None:
     """PP = 1 in this (sub)process; results → `out` (torch.save)."""
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     engine = MegatronTrainerEngine(
         path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=BUDGET
@@ -84,8 +84,8 @@ def pp1(model, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def pp2(model, pp1):  # pp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
     engine = MegatronGroupEngine(
         model,

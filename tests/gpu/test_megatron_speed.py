@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from gpu_figures import ADAM, batch, logprob_gaps, model_dir, record  # noqa: E402
 
 from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
-from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed  # noqa: E402
+from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -32,7 +32,7 @@ def path(tmp_path_factory):
 
 
 def engine(path, speed: MegatronSpeed, budget: int = 2048):
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     return MegatronTrainerEngine(
         path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=budget,

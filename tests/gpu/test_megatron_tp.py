@@ -1,4 +1,4 @@
-"""The `megatron` trainer at TP = 2 (two GPUs, `megatron_group`) against TP = 1, same random Qwen3
+"""The `megatron` trainer at TP = 2 (two GPUs, `megatron.group`) against TP = 1, same random Qwen3
 (0.6 B shape, bf16): forward_backward loss and target logprobs, grad norm and HF weights after one
 optim_step, save/load restore, the group inside a Ray trainer actor, and a dead worker rank turning
 into an error.
@@ -43,7 +43,7 @@ def run_sequence(engine) -> dict:
 
 def reference_tp1(path: Path, out: Path) -> None:
     """TP = 1 in this (sub)process; results → `out` (torch.save)."""
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     engine = MegatronTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
     result = run_sequence(engine)
@@ -72,8 +72,8 @@ def tp1(model, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(model, tp1):  # tp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
     engine = MegatronGroupEngine(
         model, LoraSpec(0), dtype="bfloat16", device="cuda", parallel=MegatronParallel(tp=2)

@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from oneloop.backends.megatron_local.engines.base import SampleRequest  # noqa: E402
-from oneloop.backends.megatron_local.engines.vllm_sampler import VllmSamplerEngine  # noqa: E402
-from oneloop.backends.megatron_local.engines.weight_layout import pack_for_engine  # noqa: E402
+from oneloop.backends.megatron_local.engines.vllm.sampler import VllmSamplerEngine  # noqa: E402
+from oneloop.backends.megatron_local.weight_sync.ipc import pack_for_engine  # noqa: E402
 from oneloop.errors import RequestError  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -241,7 +241,7 @@ def test_in_flight_sync_reference_then_ipc(engine, hf_model) -> None:
 
 
 def _layout_tensors(hf_model, engine):
-    from oneloop.backends.megatron_local.engines.weight_layout import hf_to_vllm_layout
+    from oneloop.backends.megatron_local.weight_sync.layout import hf_to_vllm_layout
 
     return hf_to_vllm_layout(hf_state(hf_model), engine.param_layout())
 
@@ -260,7 +260,7 @@ LORA_MIN_SEPARATION = 5 * MEAN_ABS_TOLERANCE
 
 @pytest.fixture(scope="module")
 def lora_engine(model_dir):
-    from oneloop.backends.megatron_local.engines.vllm_lora import LoraServing
+    from oneloop.backends.megatron_local.engines.vllm.lora import LoraServing
 
     eager = os.environ.get("ONELOOP_GPU_EAGER", "0") == "1"
     engine = VllmSamplerEngine(
@@ -279,9 +279,8 @@ def lora_engine(model_dir):
 def lora_versions(model_dir, tmp_path_factory):
     """Two adapter versions from the real torch trainer (LoRA on attention + MLP, CUDA, fp32),
     each with the merged weights the torch sampler would get: [(AdapterDir, merged), ...]."""
-    from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
-    from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
-    from oneloop.backends.megatron_local.engines.vllm_lora import AdapterDir
+    from oneloop.backends.megatron_local.engines.base import AdapterDir, DatumArrays, LoraSpec
+    from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
     trainer = TorchTrainerEngine(
         model_dir, LoraSpec(rank=LORA_RANK, seed=0, train_unembed=False), device="cuda"
@@ -430,15 +429,14 @@ def test_lora_inflight_swap_completes_requests_in_flight(lora_engine, lora_versi
 
 
 def test_lora_on_lm_head_is_loaded_and_applied_by_vllm(lora_engine, lora_versions, tmp_path):
-    """What `vllm_lora.check_adapter_targets` rests on. Measured on the device (02:01 UTC,
+    """What `lora_serving.check_adapter_targets` rests on. Measured on the device (02:01 UTC,
     2026-12-01): vLLM 0.26 loads an adapter with an lm_head part on Qwen3 and applies it (max
     logprob change 286.9 for this large delta). Whether it matches the trainer's merged weights on
     a tied-embedding model is not verified yet, so `train_unembed=True` stays refused on vllm; this
     test pins the vendor behaviour the next step starts from."""
     from safetensors.numpy import load_file
 
-    from oneloop.backends.megatron_local.engines.base import LoraAdapter
-    from oneloop.backends.megatron_local.engines.vllm_lora import AdapterDir
+    from oneloop.backends.megatron_local.engines.base import AdapterDir, LoraAdapter
 
     (first, _), _ = lora_versions
     config = json.loads((Path(first.path) / "adapter_config.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 
 from oneloop.backends.capabilities import TINKER_SERVICE, local_capabilities
 from oneloop.errors import CapabilityError, ConfigError
-from oneloop.loop.config import load_config
+from oneloop.loop.config import load_config, preset_names
 from oneloop.loop.train import check_capabilities
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,9 +132,7 @@ def test_train_script_runs_two_steps(tmp_path, train_script):
     assert (run_dir / "trajectories.jsonl").is_file()
 
 
-@pytest.mark.parametrize(
-    "preset", sorted(p.stem for p in (ROOT / "scripts/configs").glob("*.yaml"))
-)
+@pytest.mark.parametrize("preset", preset_names())
 def test_every_preset_validates_on_both_backends(preset):
     for backend in ("local", "tinker"):
         cfg = load_config(preset, [f"backend.backend={backend}"])

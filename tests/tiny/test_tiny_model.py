@@ -1,4 +1,4 @@
-"""Tests for oneloop.tiny_model: loading by path, the tokenizer, the chat template, the cache."""
+"""Tests for oneloop.tiny.model: loading by path, the tokenizer, the chat template, the cache."""
 
 import dataclasses
 import json
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from oneloop import tiny_model
-from oneloop.tiny_model import (
+from oneloop.tiny import model as tiny_model
+from oneloop.tiny.model import (
     COMPLETE_MARKER,
     CONTROL_TOKENS,
     TINY_MODEL_DEMO,

@@ -2,7 +2,8 @@
 
 `generate_tasks(out_dir, n_train, n_eval, seed) -> TaskSplits` writes the task directories;
 `python -m oneloop.agents.demo_tasks.server` is the MCP server they declare; `verify.sh` is the
-verifier every task ships as `tests/test.sh`.
+verifier every task ships as `tests/test.sh`; `demonstrations.write_demonstrations` writes the
+training tasks' demonstrations as a chat-conversation JSONL (the demo preset's `sft.data: demo`).
 """
 
 from oneloop.agents.demo_tasks.generator import (

@@ -7,11 +7,11 @@ event loop never blocks. Weights travel trainer → sampler through the Ray obje
 arrays, zero-copy on the reading side), or on GPUs in vLLM's parameter layout over CUDA IPC (same
 GPU) or NCCL (another GPU); each sync bumps the trainer's version. LoRA runs on the vllm sampler
 send adapters instead (`export_adapter`: a PEFT directory under the run directory, loaded by the
-sampler as a vLLM LoRA module; `engines/vllm_lora.py`).
+sampler as a vLLM LoRA module; `lora_serving.py`, `engines/vllm/lora.py`).
+Optional engine capabilities are tested with `isinstance` on the protocols of `engines/base.py`.
 """
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,12 @@ import ray
 from safetensors.numpy import load_file, save_file
 
 from oneloop.backends.config import LocalBackendConfig
+from oneloop.backends.megatron_local.checkpoints import CheckpointMeta
 from oneloop.backends.megatron_local.engines.base import (
+    AdapterDir,
+    ConcurrentSampler,
+    CudaWeightSink,
+    CudaWeightSource,
     DatumArrays,
     ForwardResult,
     LoraSpec,
@@ -28,18 +33,11 @@ from oneloop.backends.megatron_local.engines.base import (
     SampleRequest,
 )
 from oneloop.backends.megatron_local.engines.factory import make_sampler_engine, make_trainer_engine
-from oneloop.backends.megatron_local.engines.vllm_lora import AdapterDir, serves_adapters
-from oneloop.backends.megatron_local.paths import META_FILE
+from oneloop.backends.megatron_local.lora_serving import serves_adapters
+from oneloop.errors import CapabilityError, MissingWeightsError
 
 SAMPLER_WEIGHTS_FILE = "model.safetensors"
 ADAPTER_DIR = "adapter"  # a sampler checkpoint's PEFT adapter (LoRA runs on the vllm sampler)
-
-
-def write_meta(directory: Path, meta: dict) -> None:
-    """Write the checkpoint's meta last, atomically: its presence marks a complete checkpoint."""
-    tmp = directory / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-    tmp.replace(directory / META_FILE)
 
 
 @ray.remote(num_cpus=0)
@@ -71,13 +69,13 @@ class TrainerActor:
 
     def gpu_uuid(self) -> str | None:
         """The UUID of the GPU this actor's engine runs on (None on CPU)."""
-        from oneloop.backends.megatron_local.engines.weight_layout import gpu_uuid
+        from oneloop.backends.megatron_local.weight_sync.ipc import gpu_uuid
 
         return gpu_uuid()
 
     def weight_group_address(self) -> tuple[str, int]:
         """Where this trainer will host an NCCL weight group: (node IP, a free port)."""
-        from oneloop.backends.megatron_local.engines.nccl_sync import free_port
+        from oneloop.backends.megatron_local.ports import free_port
 
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
@@ -86,7 +84,7 @@ class TrainerActor:
         """Host NCCL weight group `name` as rank 0 (the sampler joins at the same time)."""
         import torch
 
-        from oneloop.backends.megatron_local.engines.nccl_sync import NcclSender
+        from oneloop.backends.megatron_local.weight_sync.nccl import NcclSender
 
         old = self._senders.pop(name, None)
         if old is not None:
@@ -106,13 +104,16 @@ class TrainerActor:
         self.sync_version += int(bump)
         if layout is None:
             return self.sync_version, self.engine.sampler_weights()
-        from oneloop.backends.megatron_local.engines.weight_layout import (
-            hf_to_vllm_layout,
-            make_ipc_weights,
-            pack_flat,
-        )
+        from oneloop.backends.megatron_local.weight_sync.ipc import make_ipc_weights
+        from oneloop.backends.megatron_local.weight_sync.layout import hf_to_vllm_layout, pack_flat
 
-        hf = self.engine.hf_weights()  # type: ignore[attr-defined]  (CUDA engines only)
+        if not isinstance(self.engine, CudaWeightSource):
+            raise CapabilityError(
+                f"weight sync into the sampler's CUDA parameters needs a trainer engine with CUDA "
+                f"weights (megatron); {type(self.engine).__name__} has none: use "
+                "local.weight_sync=object_store"
+            )
+        hf = self.engine.hf_weights()
         device = next(iter(hf.values())).device
         if group is not None:
             sender = self._senders.get(group)
@@ -137,28 +138,25 @@ class TrainerActor:
         nbytes = sum(int(t.nbytes) for t in adapter.tensors.values())
         return AdapterDir(path=str(directory), rank=adapter.rank, nbytes=nbytes)
 
-    def save_state(self, directory: str, meta: dict, with_optimizer: bool = True) -> None:
+    def save_state(
+        self, directory: str, meta: CheckpointMeta, with_optimizer: bool = True
+    ) -> None:
         path = Path(directory)
         self.engine.save_state(path, with_optimizer=with_optimizer)
-        write_meta(path, {**meta, "sync_version": self.sync_version})
+        meta.with_version(self.sync_version).write(path)
 
     def load_state(self, directory: str, with_optimizer: bool) -> None:
         self.engine.load_state(Path(directory), with_optimizer=with_optimizer)
 
-    def save_sampler_weights(self, directory: str, meta: dict) -> int:
+    def save_sampler_weights(self, directory: str, meta: CheckpointMeta) -> int:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self.sync_version += 1
         save_file(self.engine.sampler_weights(), str(path / SAMPLER_WEIGHTS_FILE))
         if self.adapters:  # what a LoRA-serving sampler loads from this checkpoint
             self._write_adapter(path / ADAPTER_DIR)
-        write_meta(path, {**meta, "sync_version": self.sync_version})
+        meta.with_version(self.sync_version).write(path)
         return self.sync_version
-
-
-class MissingWeightsError(RuntimeError):
-    """The sampler lacks the weights a client needs (it restarted, or they were replaced by older
-    ones after a restart); the client re-installs its own and retries."""
 
 
 # A sampler that dies (OOM, a crash) is restarted by Ray; clients re-install their weights.
@@ -168,9 +166,9 @@ class SamplerActor:
 
     def __init__(self, local: LocalBackendConfig, model_path: str, lora_rank: int = 0) -> None:
         self.engine = make_sampler_engine(local, Path(model_path), lora_rank)
-        # Thread-safe engines (vllm) batch concurrent requests themselves; others run one call at
+        # Concurrent engines (vllm) batch concurrent requests themselves; others run one call at
         # a time behind a FIFO lock.
-        self.concurrent = bool(getattr(self.engine, "thread_safe", False))
+        self.concurrent = isinstance(self.engine, ConcurrentSampler)
         self.lock = asyncio.Lock()
 
     async def ready(self) -> bool:
@@ -184,7 +182,7 @@ class SamplerActor:
 
     async def weight_layout(self) -> list | None:
         """The engine's parameter layout for CUDA IPC weight sync, or None (numpy sync only)."""
-        if not hasattr(self.engine, "param_layout"):
+        if not isinstance(self.engine, CudaWeightSink):
             return None
         return await asyncio.to_thread(self.engine.param_layout)
 
@@ -192,16 +190,16 @@ class SamplerActor:
         """Phase timings of every weight update the engine recorded (empty if it keeps none)."""
         from dataclasses import asdict
 
-        return [asdict(r) for r in getattr(self.engine, "sync_history", [])]
+        return [asdict(r) for r in self.engine.sync_history]
 
     async def gpu_uuid(self) -> str | None:
-        from oneloop.backends.megatron_local.engines.weight_layout import gpu_uuid
+        from oneloop.backends.megatron_local.weight_sync.ipc import gpu_uuid
 
         return gpu_uuid()
 
     async def open_weight_group(self, name: str, host: str, port: int) -> str:
         """Join a trainer's NCCL weight group `name` (the trainer opens it at the same time)."""
-        if not hasattr(self.engine, "open_weight_group"):
+        if not isinstance(self.engine, CudaWeightSink):
             raise RuntimeError("NCCL weight sync needs local.sampler_engine=vllm")
         return await asyncio.to_thread(self.engine.open_weight_group, name, host, port, 2, 1)
 
@@ -224,23 +222,24 @@ class SamplerActor:
         """Install the sampler checkpoint in `directory` as `key` unless it is already there."""
         if self.engine.has_weights(key):
             return self.engine.version(key)
-        meta = json.loads((Path(directory) / META_FILE).read_text())
+        meta = CheckpointMeta.read(Path(directory))
         adapter = Path(directory) / ADAPTER_DIR
-        if getattr(self.engine, "lora", None) is not None and adapter.is_dir():
+        if self.engine.serves_adapters and adapter.is_dir():
             nbytes = sum(f.stat().st_size for f in adapter.iterdir())
-            weights = AdapterDir(str(adapter), int(meta["lora_rank"]), nbytes)
+            weights = AdapterDir(str(adapter), meta.lora_rank, nbytes)
         else:
             weights = load_file(str(Path(directory) / SAMPLER_WEIGHTS_FILE))
-        await self._run(self.engine.set_weights, key, weights, int(meta["sync_version"]))
-        return int(meta["sync_version"])
+        await self._run(self.engine.set_weights, key, weights, meta.sync_version)
+        return meta.sync_version
 
     async def drop_weights(self, key: str) -> None:
         await self._run(self.engine.drop_weights, key)
 
     async def sample(self, key: str, request: SampleRequest, min_version: int = 0) -> SampleOutput:
         self._require(key, min_version)
-        if self.concurrent:  # no thread per request: the engine's own loop carries them
-            return await asyncio.wrap_future(self.engine.submit_sample(key, request))  # type: ignore[attr-defined]
+        if isinstance(self.engine, ConcurrentSampler):
+            # No thread per request: the engine's own loop carries them.
+            return await asyncio.wrap_future(self.engine.submit_sample(key, request))
         return await self._run(self.engine.sample, key, request)
 
     async def prompt_logprobs(

@@ -53,6 +53,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from oneloop.errors import LossInputError
+
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 
 SUPPORTED_LOSSES: frozenset[str] = frozenset(
@@ -77,10 +79,6 @@ _CONFIG_DEFAULTS: dict[str, dict[str, float | None]] = {
 }
 
 _TARGET_TOKENS = "target_tokens"
-
-
-class LossInputError(ValueError):
-    """A loss name, `loss_fn_config` or `loss_fn_inputs` that the losses cannot use as given."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ read-only `Sequence[types.SampledSequence]` (the type the SDK declares for the f
 the batch; its SDK objects are built on first access, exactly as they were built before
 (the engine's own arrays as `tokens_np` / `logprobs_np`, the same sequence ids). So in-process
 callers see the SDK's types, and the server's encoder reads the batch with a fixed number of
-numpy calls (`serve/proto_sample.py`).
+numpy calls (`serve/codec/sample_encoder.py`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import torch
 
 from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
 from oneloop.backends.megatron_local.engines.hf import load_causal_lm, untie_embeddings
-from oneloop.backends.megatron_local.engines.torch_trainer import LORA_ALPHA, TorchTrainerEngine
+from oneloop.backends.megatron_local.engines.microbatch import LORA_ALPHA
+from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
 ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
 ALL_TARGETS = (

@@ -1,13 +1,13 @@
 """The megatron engines' checkpoint layout, shared by the one-process engine and every group rank
 class (TP, PP, CP, LoRA-TP): optimizer file names per rank, and a checkpoint whose optimizer state
 was written at other parallel sizes refused before anything is loaded. Checked without
-megatron-core (the engines themselves: scripts/device/check_megatron_*_cpu.py, tests/gpu/)."""
+megatron-core (the engines themselves: tests/backends/engines/megatron_cpu/, tests/gpu/)."""
 
 import json
 
 import pytest
 
-from oneloop.backends.megatron_local.engines.megatron_trainer import (
+from oneloop.backends.megatron_local.engines.megatron.trainer import (
     MegatronParallel,
     MegatronTrainerEngine,
     optimizer_file,

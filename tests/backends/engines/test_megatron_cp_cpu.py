@@ -1,10 +1,10 @@
-"""Context-parallel layout and attention of the megatron engine (`megatron_cp`, pure torch).
+"""Context-parallel layout and attention of the megatron engine (`parallel.cp`, pure torch).
 
 The CP ranks are simulated in one process: each rank's shard of q (its two chunks) attends over the
 full K/V, and the merged outputs and the summed gradients must equal plain causal SDPA on the full
 sequence. The differentiable all-gather runs for real on two gloo ranks (this file run as a
 script is that subprocess). The engine itself (megatron-core) is checked by
-scripts/device/check_megatron_cp_cpu.py and tests/gpu/test_megatron_cp.py.
+tests/backends/engines/megatron_cpu/test_megatron_cp_gloo.py and tests/gpu/test_megatron_cp.py.
 """
 
 import subprocess
@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.megatron_local.engines.base import LoraSpec
-from oneloop.backends.megatron_local.engines.megatron_cp import (
+from oneloop.backends.megatron_local.engines.megatron.parallel.cp import (
     cp_attention,
     gather_rows,
     gather_sequence,
@@ -26,9 +25,10 @@ from oneloop.backends.megatron_local.engines.megatron_cp import (
     rank_positions,
     split_for_rank,
 )
-from oneloop.backends.megatron_local.engines.megatron_cp_rank import check_cp
-from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
-from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+from oneloop.backends.megatron_local.engines.megatron.parallel.cp_rank import check_cp
+from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
+from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+from oneloop.errors import CapabilityError
 
 
 def test_padded_length_rounds_up_to_whole_chunks() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from oneloop.backends.megatron_local.engines.megatron_layout import (
+from oneloop.backends.megatron_local.engines.megatron.layout import (
     DenseShape,
     hf_to_megatron,
     megatron_param_names,

@@ -1,7 +1,7 @@
-"""The `megatron` engine's LoRA math (`engines/megatron_lora.py`) on CPU, without megatron-core.
+"""The `megatron` engine's LoRA math (`engines/megatron/lora.py`) on CPU, without megatron-core.
 
 The engine itself (GPTModel, DDP, optimizer) runs in tests/gpu/test_megatron_engine.py; here the
-adapters' placement in Megatron's fused outputs is checked against `megatron_layout`'s own weight
+adapters' placement in Megatron's fused outputs is checked against `megatron.layout`'s own weight
 mapping: the fused delta an adapter adds to `linear_qkv` / `linear_fc1` must be the output of the
 merged HF weights mapped to Megatron's layout.
 """
@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from oneloop.backends.megatron_local.engines import megatron_lora
 from oneloop.backends.megatron_local.engines.base import LoraSpec
-from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape, hf_to_megatron
+from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lora
+from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape, hf_to_megatron
 from oneloop.errors import CapabilityError
 
 FUSED = {
@@ -26,13 +26,13 @@ FUSED = {
 def _random_deltas(shape: DenseShape, rank: int) -> dict[str, megatron_lora.LoraDelta]:
     """Adapters of layer 0's fused linears with non-zero B (B = 0 at init would hide the layout)."""
     generator = torch.Generator().manual_seed(0)
-    dims = megatron_lora._dims(shape)
+    dims = megatron_lora.target_dims(shape)
     deltas = {}
     for site, (_, targets) in FUSED.items():
         delta = megatron_lora.LoraDelta(
             {t: dims[t] for t in targets},
             rank,
-            megatron_lora._fuser(shape, targets),
+            megatron_lora.delta_fuser(shape, targets),
             generator,
             torch.device("cpu"),
         )

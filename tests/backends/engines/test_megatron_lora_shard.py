@@ -1,11 +1,11 @@
-"""The `megatron` engine's LoRA adapters split over tensor-parallel ranks (`megatron_lora_shard`,
-`megatron_lora.LoraDelta` at TP > 1), on CPU without megatron-core.
+"""The `megatron` engine's LoRA adapters split over tensor-parallel ranks (`parallel.lora_shard`,
+`megatron.lora.LoraDelta` at TP > 1), on CPU without megatron-core.
 
 The ranks are simulated in one process: each rank's `LoraDelta` is built from the same seed, and
-the one communication step (`megatron_lora._join_ranks`) is replaced by what it computes in the
+the one communication step (`megatron.lora._join_ranks`) is replaced by what it computes in the
 forward pass for one rank's view — identity for column-parallel bases (Megatron's copy-to region),
 and for row-parallel bases the sum over ranks is taken after B, which is the same by linearity.
-The real collectives run in scripts/device/check_megatron_lora_tp_cpu.py (gloo) and
+The real collectives run in megatron_cpu/test_megatron_lora_tp_gloo.py (gloo) and
 tests/gpu/test_megatron_lora_tp.py.
 """
 
@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from oneloop.backends.megatron_local.engines import megatron_lora
-from oneloop.backends.megatron_local.engines import megatron_lora_shard as lshard
 from oneloop.backends.megatron_local.engines.base import LoraSpec
-from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape
-from oneloop.backends.megatron_local.engines.megatron_shard import gather
+from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lora
+from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape
+from oneloop.backends.megatron_local.engines.megatron.parallel import lora_shard as lshard
+from oneloop.backends.megatron_local.engines.megatron.parallel.shard import gather
 
 # 4 query heads in 2 KV groups: at TP = 2 each rank holds one group (2 q heads, 1 k, 1 v).
 SHAPE = DenseShape("qwen3", 1, 16, 24, 4, 2, 4, 32, False, False, True, 1e4, 1e-6, 64)
-SITES = {  # Megatron linear → (its weight's name for megatron_shard, HF targets)
+SITES = {  # Megatron linear → (its weight's name for megatron.parallel.shard, HF targets)
     "linear_qkv": (
         "decoder.layers.0.self_attention.linear_qkv.weight",
         ("q_proj", "k_proj", "v_proj"),
@@ -36,11 +36,11 @@ RANK = 4
 
 def _delta(targets, tp: int, rank: int) -> megatron_lora.LoraDelta:
     """One rank's adapters of a site, B filled with seeded noise (B = 0 would hide the layout)."""
-    dims = megatron_lora._dims(SHAPE)
+    dims = megatron_lora.target_dims(SHAPE)
     delta = megatron_lora.LoraDelta(
         {t: dims[t] for t in targets},
         RANK,
-        megatron_lora._fuser(lshard.local_shape(SHAPE, tp), targets),
+        megatron_lora.delta_fuser(lshard.local_shape(SHAPE, tp), targets),
         torch.Generator().manual_seed(0),
         torch.device("cpu"),
         megatron_lora.LoraTp(tp, rank),
@@ -55,7 +55,7 @@ def _delta(targets, tp: int, rank: int) -> megatron_lora.LoraDelta:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_shard_and_gather_round_trip_every_target(tp: int) -> None:
-    dims = megatron_lora._dims(SHAPE)
+    dims = megatron_lora.target_dims(SHAPE)
     for target, (fan_in, fan_out) in dims.items():
         for part, full in (
             ("lora_A", torch.randn(RANK, fan_in)),
@@ -90,17 +90,17 @@ def test_ranks_start_from_the_parts_of_the_tp1_adapter() -> None:
     replicated ones none (counted once)."""
     for targets in (t for _, t in SITES.values()):
         whole = megatron_lora.LoraDelta(
-            {t: megatron_lora._dims(SHAPE)[t] for t in targets},
+            {t: megatron_lora.target_dims(SHAPE)[t] for t in targets},
             RANK,
-            megatron_lora._fuser(SHAPE, targets),
+            megatron_lora.delta_fuser(SHAPE, targets),
             torch.Generator().manual_seed(5),
             torch.device("cpu"),
         )
         for rank in range(2):
             part = megatron_lora.LoraDelta(
-                {t: megatron_lora._dims(SHAPE)[t] for t in targets},
+                {t: megatron_lora.target_dims(SHAPE)[t] for t in targets},
                 RANK,
-                megatron_lora._fuser(lshard.local_shape(SHAPE, 2), targets),
+                megatron_lora.delta_fuser(lshard.local_shape(SHAPE, 2), targets),
                 torch.Generator().manual_seed(5),
                 torch.device("cpu"),
                 megatron_lora.LoraTp(2, rank),
@@ -122,11 +122,11 @@ def test_ranks_start_from_the_parts_of_the_tp1_adapter() -> None:
 def test_rank_deltas_joined_like_the_base_equal_the_tp1_delta(tp: int, monkeypatch) -> None:
     """Column-parallel sites: each rank's fused delta is exactly its block of the TP = 1 fused
     delta in Megatron's split (per KV group for qkv, gate block + up block for fc1), so
-    `megatron_shard.gather` of the rank outputs rebuilds it. Row-parallel sites: the ranks' partial
+    `parallel.shard.gather` of the rank outputs rebuilds it. Row-parallel sites: the ranks' partial
     deltas sum to it (the all-reduce the engine does on h = A·x)."""
     x_full = torch.randn(5, 2, max(SHAPE.hidden, SHAPE.ffn, SHAPE.heads * SHAPE.head_dim))
     for site, (weight_name, targets) in SITES.items():
-        fan_in = megatron_lora._dims(SHAPE)[targets[0]][0]
+        fan_in = megatron_lora.target_dims(SHAPE)[targets[0]][0]
         x = x_full[..., :fan_in]
         with torch.no_grad():
             expected = _delta(targets, 1, 0)(x)
@@ -155,7 +155,7 @@ def test_load_adapter_copies_each_ranks_part_and_checks_full_shapes() -> None:
     by_hf = {f"model.layers.0.self_attn.{t}": (qkv, t) for t in targets[:3]}
     by_hf["model.layers.0.self_attn.o_proj"] = (proj, "o_proj")
     lora = megatron_lora.MegatronLora(LoraSpec(RANK), "", by_hf, megatron_lora.LoraTp(2, 1))
-    dims = megatron_lora._dims(SHAPE)
+    dims = megatron_lora.target_dims(SHAPE)
     rng = np.random.default_rng(0)
     tensors = {}
     for name, (_, target) in by_hf.items():

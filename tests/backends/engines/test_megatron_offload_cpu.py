@@ -1,6 +1,6 @@
 """`local.megatron.optimizer_cpu_offload`: what the megatron engine asks of megatron-core, and what
 it refuses, checked without megatron-core (the offloaded optimizer itself:
-scripts/device/check_megatron_offload_cpu.py on CPU, tests/gpu/test_megatron_offload.py on GPU).
+megatron_cpu/test_megatron_offload_gloo.py on CPU, tests/gpu/test_megatron_offload.py on GPU).
 
 Regression: the flag used to reach megatron-core alone, whose `optimizer_offload_fraction`
 defaults to 0.0, so nothing was offloaded.
@@ -11,15 +11,15 @@ import io
 import pytest
 import torch
 
-from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.config import parse_backend_config
-from oneloop.backends.megatron_local.engines.megatron_offload import (
+from oneloop.backends.megatron_local.engines.megatron.offload import (
     native_state,
     optimizer_config_fields,
     portable_state,
     steps_per_group,
 )
-from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+from oneloop.errors import CapabilityError
 
 
 def test_offload_off_asks_nothing_of_megatron():

@@ -1,15 +1,15 @@
 """Rank placement, stage layer split, stage weight maps and the group-size checks of the megatron
-engine's pipeline parallelism (`megatron_pp_plan`; no megatron-core needed)."""
+engine's pipeline parallelism (`megatron.parallel.pp_plan`; no megatron-core needed)."""
 
 import pytest
 import torch
 
-from oneloop.backends.megatron_local.engines.megatron_layout import (
+from oneloop.backends.megatron_local.engines.megatron.layout import (
     DenseShape,
     hf_to_megatron,
     megatron_param_names,
 )
-from oneloop.backends.megatron_local.engines.megatron_pp_plan import (
+from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
     RankCoords,
     check_gpus_per_trainer,
     check_pp,
@@ -120,13 +120,13 @@ def test_stage_parts_give_each_stage_its_layers_and_round_trip(tied: bool) -> No
 def test_group_refuses_lora_and_uneven_stages_before_starting_ranks(tmp_path) -> None:
     from transformers import Qwen3Config
 
-    from oneloop.backends.capabilities import CapabilityError
     from oneloop.backends.megatron_local.engines.base import LoraSpec
-    from oneloop.backends.megatron_local.engines.megatron_group import (
+    from oneloop.backends.megatron_local.engines.megatron.group import (
         MegatronGroupEngine,
         rank_engine_class,
     )
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+    from oneloop.errors import CapabilityError
 
     Qwen3Config(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

@@ -12,10 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from oneloop.backends.capabilities import CapabilityError
 from oneloop.backends.config import MegatronSpeedSettings, parse_backend_config
-from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed, use_te
-from oneloop.errors import ConfigError
+from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed, use_te
+from oneloop.errors import CapabilityError, ConfigError
 
 
 def test_config_section_and_engine_switches_agree_field_for_field():

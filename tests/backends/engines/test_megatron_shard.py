@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
-from oneloop.backends.megatron_local.engines.megatron_layout import DenseShape, hf_to_megatron
-from oneloop.backends.megatron_local.engines.megatron_shard import (
+from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape, hf_to_megatron
+from oneloop.backends.megatron_local.engines.megatron.parallel.shard import (
     COLUMN,
     FC1,
     REPLICATED,
@@ -68,7 +68,7 @@ def test_qkv_shard_holds_whole_query_groups() -> None:
     sub = DenseShape(
         **{**shape.__dict__, "heads": shape.heads // tp, "kv_heads": shape.kv_heads // tp}
     )
-    from oneloop.backends.megatron_local.engines.megatron_layout import _fuse_qkv
+    from oneloop.backends.megatron_local.engines.megatron.layout import fuse_qkv
 
     for r in range(tp):
         qs = q[r * sub.heads * d : (r + 1) * sub.heads * d]
@@ -76,7 +76,7 @@ def test_qkv_shard_holds_whole_query_groups() -> None:
         vs = v[r * sub.kv_heads * d : (r + 1) * sub.kv_heads * d]
         mine = shard_all({"decoder.layers.0.self_attention.linear_qkv.weight": fused}, tp, r)
         assert torch.equal(
-            mine["decoder.layers.0.self_attention.linear_qkv.weight"], _fuse_qkv(sub, qs, ks, vs)
+            mine["decoder.layers.0.self_attention.linear_qkv.weight"], fuse_qkv(sub, qs, ks, vs)
         )
 
 
@@ -117,28 +117,28 @@ def test_check_tp_names_the_indivisible_figure() -> None:
 
 
 def test_parallel_sizes_not_built_are_refused_with_the_reason() -> None:
-    from oneloop.backends.capabilities import CapabilityError
-    from oneloop.backends.megatron_local.engines.megatron_trainer import (
+    from oneloop.backends.megatron_local.engines.megatron.trainer import (
         MegatronParallel,
-        _init_distributed,
+        init_distributed,
     )
+    from oneloop.errors import CapabilityError
 
     cpu = torch.device("cpu")
     for sizes, reason in (
         ({"pp": 2}, "megatron_group"),  # PP ranks too
-        ({"cp": 2}, "megatron_group"),  # CP ranks too (megatron_cp_rank)
+        ({"cp": 2}, "megatron_group"),  # CP ranks too (megatron.parallel.cp_rank)
         ({"ep": 2}, "MoE"),
         ({"tp": 2}, "megatron_group"),  # TP ranks exist only when the group engine starts them
     ):
         with pytest.raises(CapabilityError, match=reason):
-            _init_distributed(MegatronParallel(**sizes), cpu)
+            init_distributed(MegatronParallel(**sizes), cpu)
 
 
 def test_group_engine_refuses_before_starting_ranks(tmp_path) -> None:
-    from oneloop.backends.capabilities import CapabilityError
     from oneloop.backends.megatron_local.engines.base import LoraSpec
-    from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
-    from oneloop.backends.megatron_local.engines.megatron_trainer import MegatronParallel
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+    from oneloop.errors import CapabilityError
 
     Qwen3Config(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,

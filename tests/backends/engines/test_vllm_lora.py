@@ -1,5 +1,5 @@
 """LoRA adapters for the vllm sampler, the parts CI can run: the adapter bookkeeping of the engine
-(`vllm_lora.AdapterTable`), the engine's LoRA settings and config errors, the routing of a LoRA
+(`vllm.lora.AdapterTable`), the engine's LoRA settings and config errors, the routing of a LoRA
 run to adapters, and the trainer's adapter export on a real Ray actor with the torch engine.
 The vLLM side itself runs on the device machine (`tests/gpu/test_vllm_engine.py`).
 """
@@ -13,19 +13,22 @@ import ray
 import torch
 
 from oneloop.backends.config import LocalBackendConfig, parse_backend_config
+from oneloop.backends.megatron_local.checkpoints import CheckpointMeta
 from oneloop.backends.megatron_local.engines.base import LoraSpec
-from oneloop.backends.megatron_local.engines.vllm_lora import (
+from oneloop.backends.megatron_local.engines.vllm.lora import (
     VLLM_LORA_TARGETS,
     AdapterTable,
-    check_adapter_targets,
-    check_pool_fits,
     lora_serving,
-    pool_lora_rank,
-    serves_adapters,
     vllm_lora_rank,
 )
+from oneloop.backends.megatron_local.lora_serving import (
+    check_adapter_targets,
+    check_pool_fits,
+    pool_lora_rank,
+    serves_adapters,
+)
 from oneloop.errors import CapabilityError, ConfigError, RequestError
-from oneloop.tiny_model import TINY_MODEL_NAME
+from oneloop.tiny.model import TINY_MODEL_NAME
 
 # -- the engine's books -------------------------------------------------------------------------
 
@@ -246,7 +249,13 @@ def test_trainer_exports_a_peft_adapter_equal_to_its_merged_weights(tmp_path, ti
 
     # sampler checkpoints of such runs carry the adapter as well (for create_sampling_client)
     checkpoint = tmp_path / "ckpt"
-    assert ray.get(actor.save_sampler_weights.remote(str(checkpoint), {}), timeout=120) == 2
+    meta = CheckpointMeta(
+        kind="sampler_weights", name="ckpt", run_id="run-test", base_model="tiny",
+        model_dir=str(tiny_model_path), lora_rank=8, train_mlp=True, train_attn=True,
+        train_unembed=False, sync_version=0,
+    )
+    assert ray.get(actor.save_sampler_weights.remote(str(checkpoint), meta), timeout=120) == 2
+    assert CheckpointMeta.read(checkpoint) == meta.with_version(2)
     assert (checkpoint / ADAPTER_DIR / "adapter_model.safetensors").is_file()
     merged = load_file(str(checkpoint / "model.safetensors"))
     ray.kill(actor)

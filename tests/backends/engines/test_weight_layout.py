@@ -7,16 +7,15 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from oneloop.backends.config import parse_backend_config
-from oneloop.backends.megatron_local.engines.nccl_sync import NcclWeights
-from oneloop.backends.megatron_local.engines.weight_layout import (
+from oneloop.backends.megatron_local.weight_sync.ipc import CudaIpcWeights, make_ipc_weights
+from oneloop.backends.megatron_local.weight_sync.layout import (
     ALIGN_BYTES,
-    CudaIpcWeights,
     FlatEntry,
     hf_to_vllm_layout,
-    make_ipc_weights,
     pack_flat,
     unpack_flat,
 )
+from oneloop.backends.megatron_local.weight_sync.nccl import NcclWeights
 from oneloop.errors import ConfigError
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 2, 4, 2, 16, 96, 300

@@ -7,10 +7,10 @@ import pytest
 from safetensors.numpy import load_file
 from tinker import types
 
-from oneloop.backends.megatron_local.paths import TinkerPath
+from oneloop.backends.megatron_local.checkpoints import TinkerPath
 from oneloop.backends.sequence_ids import sampled_version
 from oneloop.errors import CapabilityError, CheckpointNotFoundError, RequestError
-from oneloop.tiny_model import TINY_MODEL_NAME
+from oneloop.tiny.model import TINY_MODEL_NAME
 
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 
@@ -65,12 +65,10 @@ def test_one_batch_equals_two_halves_accumulated(local_service):
 
 def test_microbatching_does_not_change_results(tmp_path, tiny_model_path):
     """A tiny token budget (one datum per micro-batch) gives the same loss and logprobs."""
-    from oneloop.backends.megatron_local.clients import datum_to_arrays
     from oneloop.backends.megatron_local.engines.base import LoraSpec
-    from oneloop.backends.megatron_local.engines.torch_trainer import (
-        TorchTrainerEngine,
-        pack_microbatches,
-    )
+    from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
+    from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
+    from oneloop.backends.megatron_local.training_client import datum_to_arrays
 
     assert pack_microbatches([5, 5, 5, 9], 10) == [[0, 1], [2], [3]]
     data = [

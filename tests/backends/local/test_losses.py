@@ -15,11 +15,11 @@ import torch
 from oneloop.backends.megatron_local.losses import (
     REQUIRED_INPUTS,
     SUPPORTED_LOSSES,
-    LossInputError,
     compute_loss,
     validate_datum_inputs,
     validate_loss_config,
 )
+from oneloop.errors import LossInputError
 
 LN2 = math.log(2.0)
 

@@ -8,7 +8,7 @@ import pytest
 from tinker import types
 
 from oneloop.backends.megatron_local.routing import PrefixRouter
-from oneloop.tiny_model import TINY_MODEL_NAME
+from oneloop.tiny.model import TINY_MODEL_NAME
 
 SYSTEM = np.arange(1000, 1300)  # a 300-token system prompt every task shares
 

@@ -19,8 +19,8 @@ from oneloop.backends.megatron_local.sample_batch import (
     build_sequences,
     sample_response,
 )
-from oneloop.backends.megatron_local.serve import proto_sample
-from oneloop.backends.megatron_local.serve.proto_sample import encode_sample_response
+from oneloop.backends.megatron_local.serve.codec import sample_encoder
+from oneloop.backends.megatron_local.serve.codec.sample_encoder import encode_sample_response
 
 
 def _generic(resp: types.SampleResponse) -> bytes:
@@ -33,7 +33,7 @@ def _generic(resp: types.SampleResponse) -> bytes:
         prompt_cache_hit_tokens=resp.prompt_cache_hit_tokens,
     )
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(proto_sample, "JOIN_MIN_SEQUENCES", 1 << 30)
+        patch.setattr(sample_encoder, "JOIN_MIN_SEQUENCES", 1 << 30)
         return encode_sample_response(plain)
 
 
@@ -161,18 +161,18 @@ def test_no_sequences_gets_an_empty_list():
 
 
 def test_serve_checks_a_batch_version_without_building_sdk_objects():
-    from oneloop.backends.megatron_local.serve.service import _check_fixed_version
+    from oneloop.backends.megatron_local.serve.codec.sample_versions import check_fixed_version
 
     rng = np.random.default_rng(4)
     resp = sample_response(_engine_sequences(rng, [4] * 8, ["stop"] * 8), None, "s", 2, 0)
-    _check_fixed_version(resp, 2, "s")
+    check_fixed_version(resp, 2, "s")
     assert resp.sequences._built is None
     with pytest.raises(RuntimeError, match=r"sequences\[0\]: .* version 3 but .* version 2"):
-        _check_fixed_version(resp, 3, "s")
+        check_fixed_version(resp, 3, "s")
 
 
 def test_serve_ack_reads_a_batch_version_without_building_sdk_objects():
-    from oneloop.backends.megatron_local.serve.sample_versions import sampled_versions
+    from oneloop.backends.megatron_local.serve.codec.sample_versions import sampled_versions
 
     rng = np.random.default_rng(5)
     resp = sample_response(_engine_sequences(rng, [3, 5, 2], ["stop"] * 3), None, "s", 7, 0)

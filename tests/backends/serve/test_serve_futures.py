@@ -8,7 +8,7 @@ import pytest
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from oneloop.backends.megatron_local.serve.futures import (
+from oneloop.backends.megatron_local.serve.request_store import (
     FutureStore,
     Job,
     ModelSequencer,
@@ -16,8 +16,8 @@ from oneloop.backends.megatron_local.serve.futures import (
     SeenIds,
     digest,
 )
-from oneloop.backends.megatron_local.serve.wire import WireError, failed_future_body
-from oneloop.errors import RequestError
+from oneloop.backends.megatron_local.serve.wire import failed_future_body
+from oneloop.errors import RequestError, WireError
 
 
 class Clock:
@@ -226,7 +226,7 @@ def test_fixed_weights_sample_on_another_version_fails_instead_of_mislabelling()
     """A snapshot/path/base sampler is acked before it runs, with its creation version in the
     sequence ids; a result that ran on another version must fail the request, not go out
     under ids that claim the wrong version."""
-    from oneloop.backends.megatron_local.serve.service import _check_fixed_version
+    from oneloop.backends.megatron_local.serve.codec.sample_versions import check_fixed_version
 
     def response(*ids: str) -> types.SampleResponse:
         return types.SampleResponse(sequences=[
@@ -234,7 +234,7 @@ def test_fixed_weights_sample_on_another_version_fails_instead_of_mislabelling()
             for i in ids
         ])  # fmt: skip
 
-    _check_fixed_version(response("s/v2/0", "s/v2/1"), 2, "s")
-    _check_fixed_version(response("not-versioned"), 2, "s")  # nothing to compare
+    check_fixed_version(response("s/v2/0", "s/v2/1"), 2, "s")
+    check_fixed_version(response("not-versioned"), 2, "s")  # nothing to compare
     with pytest.raises(RuntimeError, match=r"sequences\[1\].*version 2.*version 3"):
-        _check_fixed_version(response("s/v2/0", "s/v3/1"), 2, "s")
+        check_fixed_version(response("s/v2/0", "s/v3/1"), 2, "s")

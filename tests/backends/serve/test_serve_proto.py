@@ -15,12 +15,12 @@ from tinker.proto.response_conv import (
     deserialize_sample_response,
 )
 
-from oneloop.backends.megatron_local.serve.proto import (
-    decode_forward_backward,
+from oneloop.backends.megatron_local.serve.codec.forward_backward_encoder import (
     encode_forward_backward_output,
-    encode_sample_response,
 )
-from oneloop.backends.megatron_local.serve.wire import WireError
+from oneloop.backends.megatron_local.serve.codec.reference import decode_forward_backward
+from oneloop.backends.megatron_local.serve.codec.sample_encoder import encode_sample_response
+from oneloop.errors import WireError
 
 
 def _request(data, loss_fn="ppo", config=None, seq_id=3):

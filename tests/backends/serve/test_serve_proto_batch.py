@@ -1,4 +1,4 @@
-"""The fast decoder's datums (`serve.proto_batch`): `DatumArrays` whose fields are read from the
+"""The fast decoder's datums (`codec.fast_batch`): `DatumArrays` whose fields are read from the
 batch's joined arrays, and which cross a pickle (Ray's way to the trainer actor) as the joined
 arrays once, arriving as plain `DatumArrays` equal to the reference decoder's."""
 
@@ -10,11 +10,11 @@ import ray
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from oneloop.backends.megatron_local.clients import datum_to_arrays
 from oneloop.backends.megatron_local.engines.base import DatumArrays
-from oneloop.backends.megatron_local.serve import proto
-from oneloop.backends.megatron_local.serve.proto_batch import BatchDatum, DatumList
-from oneloop.backends.megatron_local.serve.proto_scan import scan_forward_backward
+from oneloop.backends.megatron_local.serve.codec import reference
+from oneloop.backends.megatron_local.serve.codec.fast_batch import BatchDatum, DatumList
+from oneloop.backends.megatron_local.serve.codec.fast_scan import scan_forward_backward
+from oneloop.backends.megatron_local.training_client import datum_to_arrays
 
 
 def _body(lengths: list[int], loss: str = "cross_entropy") -> bytes:
@@ -38,7 +38,7 @@ def _body(lengths: list[int], loss: str = "cross_entropy") -> bytes:
 
 
 def _reference(body: bytes) -> list[DatumArrays]:
-    fb = proto.decode_forward_backward(body).input
+    fb = reference.decode_forward_backward(body).input
     return [datum_to_arrays(d, fb.loss_fn, i) for i, d in enumerate(fb.data)]
 
 

@@ -1,5 +1,6 @@
-"""Batched decoding of forward_backward datums (`serve.proto_data`) and the numpy-first encoders:
-the same values as the per-element paths, no Python int per token, errors still name the field."""
+"""Batched decoding of forward_backward datums (`codec.reference_datums`) and the numpy-first
+encoders: the same values as the per-element paths, no Python int per token, errors still name
+the field."""
 
 import math
 import pickle
@@ -11,13 +12,12 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_sample_response
 
-from oneloop.backends.megatron_local.clients import datum_to_arrays, token_ids
-from oneloop.backends.megatron_local.serve.proto import (
-    decode_forward_backward,
-    encode_sample_response,
-)
-from oneloop.backends.megatron_local.serve.proto_data import TokenIds
-from oneloop.backends.megatron_local.serve.wire import WireError
+from oneloop.backends.megatron_local.sampling_client import token_ids
+from oneloop.backends.megatron_local.serve.codec.reference import decode_forward_backward
+from oneloop.backends.megatron_local.serve.codec.reference_datums import TokenIds
+from oneloop.backends.megatron_local.serve.codec.sample_encoder import encode_sample_response
+from oneloop.backends.megatron_local.training_client import datum_to_arrays
+from oneloop.errors import WireError
 
 
 def _datum(chunks: list[list[int]], weights: list[float] | None = None) -> types.Datum:
@@ -109,27 +109,27 @@ def test_sample_response_encodes_numpy_and_list_fields_alike():
 
 def test_fast_builders_make_the_objects_the_public_constructors_make():
     """The decoder builds chunks, model inputs, tensors and datums without re-validating
-    (`serve.fast_types`); with the pinned SDK it must take that path and the objects must be
+    (`codec.reference_types`); with the pinned SDK it must take that path and the objects must be
     the public constructors' (same fields, same behaviour)."""
-    from oneloop.backends.megatron_local.serve import fast_types
+    from oneloop.backends.megatron_local.serve.codec import reference_types
 
-    assert fast_types.FAST
+    assert reference_types.FAST
     ids = TokenIds(np.array([3, 4, 5], np.int32))
-    chunk = fast_types.token_chunk(ids)
+    chunk = reference_types.token_chunk(ids)
     assert chunk == types.EncodedTextChunk.model_construct(tokens=ids)
     assert chunk.model_fields_set == {"tokens"} and chunk.type == "encoded_text"
-    model_input = fast_types.model_input([chunk])
+    model_input = reference_types.model_input([chunk])
     assert model_input == types.ModelInput(chunks=[chunk]) and model_input.length == 3
     values = np.array([1.0, 2.0, 0.5], np.float32)
-    tensor = fast_types.tensor(values, "float32", [3])
+    tensor = reference_types.tensor(values, "float32", [3])
     public = types.TensorData(data=values, dtype="float32", shape=[3])
     assert vars(tensor) == vars(public) and tensor.to_numpy() is values
-    grid = fast_types.tensor(np.arange(6, dtype=np.int64), "int64", [2, 3])
+    grid = reference_types.tensor(np.arange(6, dtype=np.int64), "int64", [2, 3])
     assert grid.to_numpy().shape == (2, 3) and grid.tolist() == [[0, 1, 2], [3, 4, 5]]
     read_only = np.frombuffer(values.tobytes(), np.float32)  # the public path copies it
-    assert fast_types.tensor(read_only, "float32", None).to_numpy().flags.writeable
-    datum = fast_types.datum(model_input, {"weights": tensor}, None, None)
+    assert reference_types.tensor(read_only, "float32", None).to_numpy().flags.writeable
+    datum = reference_types.datum(model_input, {"weights": tensor}, None, None)
     assert vars(datum) == vars(types.Datum(model_input=model_input,
                                            loss_fn_inputs={"weights": tensor}))
     with pytest.raises(AssertionError, match="pair"):
-        fast_types.datum(model_input, {}, [], None)
+        reference_types.datum(model_input, {}, [], None)

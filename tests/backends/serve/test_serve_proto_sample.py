@@ -1,4 +1,4 @@
-"""The joined `SampleResponse` encoder (`serve.proto_sample`) writes the very bytes the generated
+"""The joined `SampleResponse` encoder (`codec.sample_encoder`) writes the very bytes the generated
 message class writes, for every response it takes, and leaves every other response to it."""
 
 import numpy as np
@@ -8,14 +8,14 @@ from hypothesis import strategies as st
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
-from oneloop.backends.megatron_local.serve import proto_sample
-from oneloop.backends.megatron_local.serve.proto_sample import encode_sample_response
+from oneloop.backends.megatron_local.serve.codec import sample_encoder
+from oneloop.backends.megatron_local.serve.codec.sample_encoder import encode_sample_response
 
 
 def _generic(resp: types.SampleResponse, monkeypatch: pytest.MonkeyPatch) -> bytes:
     """The generated-class encoding of `resp` (the joined encoder switched off)."""
     with monkeypatch.context() as patch:
-        patch.setattr(proto_sample, "JOIN_MIN_SEQUENCES", 1 << 30)
+        patch.setattr(sample_encoder, "JOIN_MIN_SEQUENCES", 1 << 30)
         return encode_sample_response(resp)
 
 
@@ -26,7 +26,7 @@ ODD_TOKENS = ["int64", "2-D", "strided", "list", "none"]
 def responses(draw):
     """Mostly responses the joined encoder takes (ragged or equal lengths, with or without
     logprobs, empty sequences), with at times one sequence in a form it must decline."""
-    n = draw(st.integers(proto_sample.JOIN_MIN_SEQUENCES, 24))
+    n = draw(st.integers(sample_encoder.JOIN_MIN_SEQUENCES, 24))
     equal = draw(st.booleans())
     length = draw(st.integers(0, 40))
     with_logprobs = draw(st.booleans())
@@ -100,7 +100,7 @@ def test_the_usual_batch_takes_the_joined_encoder():
             for i in range(64)
         ]
     )
-    assert proto_sample._encode_joined(resp) is not None
+    assert sample_encoder._encode_joined(resp) is not None
     back = deserialize_sample_response(encode_sample_response(resp))
     for got, want in zip(back.sequences, resp.sequences, strict=True):
         assert got.tokens_np.tobytes() == want.tokens_np.tobytes()

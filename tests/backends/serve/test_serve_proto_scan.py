@@ -1,5 +1,5 @@
-"""The fast `/forward_backward` decoder (`serve.proto_scan`) against the reference path
-(`proto.decode_forward_backward`, then the local client's `datum_to_arrays`): the same engine
+"""The fast `/forward_backward` decoder (`codec.fast_scan`) against the reference path
+(`reference.decode_forward_backward`, then the local client's `datum_to_arrays`): the same engine
 arrays on random and edge-case bodies, None (the reference answers) for anything else, and a
 malformed body still gets a 4xx that names the field."""
 
@@ -15,18 +15,19 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from oneloop.backends import BackendConfig, connect
-from oneloop.backends.megatron_local.clients import datum_to_arrays
 from oneloop.backends.megatron_local.losses import REQUIRED_INPUTS
-from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread, proto_batch, proto_scan
-from oneloop.backends.megatron_local.serve.proto import (
-    DecodedForwardBackward,
-    decode_forward_backward,
-)
-from oneloop.backends.megatron_local.serve.proto_scan import (
+from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
+from oneloop.backends.megatron_local.serve.codec import fast_batch, fast_scan
+from oneloop.backends.megatron_local.serve.codec.fast_scan import (
     decode_request,
     scan_forward_backward,
 )
-from oneloop.backends.megatron_local.serve.wire import WireError
+from oneloop.backends.megatron_local.serve.codec.reference import (
+    DecodedForwardBackward,
+    decode_forward_backward,
+)
+from oneloop.backends.megatron_local.training_client import datum_to_arrays
+from oneloop.errors import WireError
 
 LOSSES = sorted(REQUIRED_INPUTS)
 
@@ -372,15 +373,15 @@ def test_broken_protobuf_gets_4xx(http, body):
 )
 def test_ragged_batches_are_checked_at_once_and_match_the_reference(lengths):
     rng = np.random.default_rng(len(lengths))
-    lengths = lengths * (proto_scan.RAGGED_BATCH_MIN_DATUMS // len(lengths) + 1)
+    lengths = lengths * (fast_scan.RAGGED_BATCH_MIN_DATUMS // len(lengths) + 1)
     data = [
         _ce(rng.integers(0, 2**31 - 1, n).tolist(), rng.standard_normal(n).tolist())
         for n in lengths
     ]
     body = _body(data)
-    header, records = proto_scan._split(body)
-    layout = proto_scan._read_datum(body, records.payloads[0], records.ends[0])
-    assert proto_scan._ragged_batch(body, records, layout) is not None  # no datum-by-datum read
+    header, records = fast_scan._split(body)
+    layout = fast_scan._read_datum(body, records.payloads[0], records.ends[0])
+    assert fast_scan._ragged_batch(body, records, layout) is not None  # no datum-by-datum read
     scanned = scan_forward_backward(body)
     assert scanned is not None
     _assert_same(scanned, body)
@@ -390,7 +391,7 @@ def test_a_datum_framed_otherwise_in_a_ragged_batch_is_read_on_its_own():
     """One datum with its entries in the other order: the batch check declines, the
     datum-by-datum reader takes the batch, and the arrays are still the reference's."""
     good = [_pb_datum(_ce(list(range(n)))).SerializeToString() for n in (2, 7)]
-    first = proto_scan._read_datum(good[0], 0, len(good[0]))[1][0][0].decode()
+    first = fast_scan._read_datum(good[0], 0, len(good[0]))[1][0][0].decode()
     datum = _pb_datum(_ce([3, 4, 5, 6], [0.5, -1.0, 2.0, 0.0]))
     chunk = datum.model_input[0].SerializeToString()
     order = (
@@ -399,13 +400,13 @@ def test_a_datum_framed_otherwise_in_a_ragged_batch_is_read_on_its_own():
     reordered = (b"\x0a" + _varint(len(chunk)) + chunk
                  + b"".join(_entry(n, datum.loss_fn_inputs[n]) for n in order))  # fmt: skip
     head = pb.ForwardBackwardRequest(model_id="s:train:0", seq_id=7, loss_fn="cross_entropy")
-    many = good * (proto_scan.RAGGED_BATCH_MIN_DATUMS // 2)
+    many = good * (fast_scan.RAGGED_BATCH_MIN_DATUMS // 2)
     body = head.SerializeToString() + b"".join(
         b"\x1a" + _varint(len(d)) + d for d in (*many, reordered, *many)
     )
-    header, records = proto_scan._split(body)
-    layout = proto_scan._read_datum(body, records.payloads[0], records.ends[0])
-    assert proto_scan._ragged_batch(body, records, layout) is None
+    header, records = fast_scan._split(body)
+    layout = fast_scan._read_datum(body, records.payloads[0], records.ends[0])
+    assert fast_scan._ragged_batch(body, records, layout) is None
     scanned = scan_forward_backward(body)
     assert scanned is not None
     _assert_same(scanned, body)
@@ -413,11 +414,11 @@ def test_a_datum_framed_otherwise_in_a_ragged_batch_is_read_on_its_own():
 
 @st.composite
 def large_ragged_bodies(draw):
-    """Enough datums for the batch check (`proto_scan.RAGGED_BATCH_MIN_DATUMS`), random lengths
+    """Enough datums for the batch check (`fast_scan.RAGGED_BATCH_MIN_DATUMS`), random lengths
     and values, the loss's inputs; at times one byte changed anywhere."""
     loss = draw(st.sampled_from(LOSSES))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    count = proto_scan.RAGGED_BATCH_MIN_DATUMS + draw(st.integers(0, 20))
+    count = fast_scan.RAGGED_BATCH_MIN_DATUMS + draw(st.integers(0, 20))
     top = draw(st.sampled_from([3, 40, 300]))
     data = []
     for length in rng.integers(1, top + 1, count):
@@ -439,11 +440,11 @@ def test_large_ragged_batches_match_the_reference(body):
 
 
 def test_datum_arrays_of_a_single_flat_datum():
-    """`proto_batch.datum_arrays` on flat (ragged-layout) arrays of one datum: one DatumArrays
+    """`fast_batch.datum_arrays` on flat (ragged-layout) arrays of one datum: one DatumArrays
     holding the whole arrays (itemgetter of one slice returns the item itself, not a tuple)."""
     tokens = np.arange(3, dtype=np.int64)
     fields = {b"target_tokens": np.arange(1, 4, dtype=np.int64),
               b"weights": np.ones(3, np.float32)}  # fmt: skip
-    (datum,) = proto_batch.datum_arrays(tokens, fields, np.array([3]))
+    (datum,) = fast_batch.datum_arrays(tokens, fields, np.array([3]))
     assert datum.tokens.tolist() == [0, 1, 2] and datum.targets.tolist() == [1, 2, 3]
     assert list(datum.inputs) == ["weights"] and datum.inputs["weights"].tolist() == [1.0] * 3

@@ -10,7 +10,7 @@ from tinker import types
 from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 from oneloop.backends.sequence_ids import sampled_version
-from oneloop.tiny_model import TINY_MODEL_NAME
+from oneloop.tiny.model import TINY_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 CLIENT_KEY = "tml-any-key-on-loopback"

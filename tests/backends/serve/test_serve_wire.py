@@ -7,7 +7,6 @@ from tinker import types
 
 from oneloop.backends.megatron_local.serve.wire import (
     FinishSessionRequest,
-    WireError,
     check_checkpoint_id,
     check_run_id,
     client_config,
@@ -18,6 +17,7 @@ from oneloop.backends.megatron_local.serve.wire import (
     training_model_id,
     try_again_body,
 )
+from oneloop.errors import WireError
 
 
 def test_sdk_request_types_reject_unknown_keys_naming_them():

@@ -1,18 +1,39 @@
-"""The two engine contracts of the local backend: a trainer engine and a sampler engine.
+"""The engine contracts of the local backend: a trainer engine and a sampler engine.
 
 Implementations:
-- trainer: `torch_trainer.TorchTrainerEngine` (transformers, CPU/GPU); `megatron` (GPU issue).
-- sampler: `torch_sampler.TorchSamplerEngine` (transformers generation); `vllm` (GPU issue).
+- trainer: `engines.torch.trainer.TorchTrainerEngine` (transformers, CPU/GPU);
+  `engines.megatron.trainer.MegatronTrainerEngine` (megatron-core, one rank; its parallel ranks in
+  `engines.megatron.parallel`) and `engines.megatron.group.MegatronGroupEngine` (drives tp × pp ×
+  cp ranks).
+- sampler: `engines.torch.sampler.TorchSamplerEngine` (transformers generation);
+  `engines.vllm.sampler.VllmSamplerEngine` (vLLM `AsyncLLM`).
+
+Optional capabilities are small protocols the actors test with `isinstance`:
+- `CudaWeightSource` (trainer): Hugging Face-named CUDA tensors, for weight sync straight into a
+  sampler's parameters (megatron engines);
+- `CudaWeightSink` (sampler): takes weights into its CUDA parameters, packed to its parameter
+  layout and shared over CUDA IPC or received over an NCCL weight group (vllm);
+- `ConcurrentSampler` (sampler): any number of threads may call at once and the engine batches
+  concurrent requests itself (vllm).
 
 Engines are plain single-process objects; the Ray actors in `actors.py` host them and the clients
-in `clients.py` give them Tinker's surface. Data crossing the seam is numpy, never tinker types.
+give them Tinker's surface. Data crossing the seam is numpy, never tinker types.
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+# `(vLLM parameter name, dtype name, shape)` of every parameter of a sampler, in model order.
+ParamLayoutRows = list[tuple[str, str, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,17 @@ class LoraAdapter:
 
 
 @dataclass(frozen=True)
+class AdapterDir:
+    """A LoRA adapter in PEFT layout at `path` (`LoraAdapter.write_peft`): the `set_weights`
+    payload of the adapter path. The trainer writes it under the run directory; samplers read it
+    (so trainer and samplers share that file system, as checkpoints already require)."""
+
+    path: str
+    rank: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class SampleRequest:
     """One `sample` call, in engine terms."""
 
@@ -125,6 +157,7 @@ class TrainerEngine(ABC):
 
     Contract: gradients accumulate across `forward_backward` calls until `optim_step`, which
     applies AdamW with the given params and zeroes them. Losses are Tinker's (sums over tokens).
+    Implementations: see the module docstring.
     """
 
     @abstractmethod
@@ -145,9 +178,10 @@ class TrainerEngine(ABC):
     def sampler_weights(self) -> dict[str, np.ndarray]:
         """Full (LoRA-merged) weights in Hugging Face names, for a sampler of the base model."""
 
+    @abstractmethod
     def adapter(self) -> LoraAdapter:
-        """The current LoRA adapter (LoRA clients only), for samplers that load adapters."""
-        raise NotImplementedError(f"{type(self).__name__} does not export LoRA adapters")
+        """The current LoRA adapter, for samplers that load adapters; raises ValueError on a
+        full fine-tuning model (LoRA rank 0), which has none."""
 
     @abstractmethod
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
@@ -158,16 +192,51 @@ class TrainerEngine(ABC):
         """Restore what `save_state` wrote (the optimizer only when asked)."""
 
 
+@runtime_checkable
+class CudaWeightSource(Protocol):
+    """A trainer engine whose weights live on a CUDA device (the megatron engines): the trainer
+    actor packs them into a sampler's parameter layout on that device and shares them over CUDA
+    IPC or sends them over NCCL (`weight_sync`), never through host memory."""
+
+    def hf_weights(self) -> "dict[str, torch.Tensor]":
+        """Full (LoRA-merged) weights in Hugging Face names, as CUDA tensors of this process."""
+        ...
+
+
 class SamplerEngine(ABC):
-    """Generates from token ids on one of several named weight sets ("base", inflight, snapshots)."""
+    """Generates from token ids on one of several named weight sets ("base", inflight, snapshots).
+
+    Declared state every implementation sets in `__init__` (the sampler actor reads it):
+    - `evicted`: weight keys dropped to make room (or replaced); sampling on one raises the
+      engine's own error, which names the fix;
+    - `serves_adapters`: True when weight sets are LoRA adapters (`set_weights` takes an
+      `AdapterDir`) rather than full weights;
+    - `sync_history`: one record (a dataclass) per weight update, oldest first; empty when the
+      engine keeps none.
+    Implementations: see the module docstring.
+    """
+
+    evicted: set[str]
+    serves_adapters: bool
+    sync_history: Sequence[Any]
 
     @abstractmethod
-    def set_weights(self, key: str, weights: dict[str, np.ndarray], version: int) -> None:
-        """Install (or replace) the weight set `key` at `version`."""
+    def set_weights(self, key: str, weights: Any, version: int) -> None:
+        """Install (or replace) the weight set `key` at `version`. `weights` is a dict of Hugging
+        Face arrays; engines may take more payloads (an `AdapterDir` when `serves_adapters`;
+        CUDA IPC / NCCL descriptors on a `CudaWeightSink`)."""
 
     @abstractmethod
     def drop_weights(self, key: str) -> None:
         """Forget the weight set `key` (no-op if absent)."""
+
+    @abstractmethod
+    def has_weights(self, key: str) -> bool:
+        """Whether weight set `key` can be sampled now."""
+
+    @abstractmethod
+    def version(self, key: str) -> int:
+        """The version weight set `key` was installed at (KeyError when it is not held)."""
 
     @abstractmethod
     def sample(self, key: str, request: SampleRequest) -> SampleOutput:
@@ -176,3 +245,29 @@ class SamplerEngine(ABC):
     @abstractmethod
     def prompt_logprobs(self, key: str, tokens: np.ndarray) -> np.ndarray:
         """Logprob of each token given its prefix (NaN at position 0) on weight set `key`."""
+
+
+@runtime_checkable
+class CudaWeightSink(Protocol):
+    """A sampler engine that takes weights straight into its CUDA parameters (vllm): packed to its
+    `param_layout` and shared over CUDA IPC (same GPU), or received over an NCCL weight group
+    opened with `open_weight_group` (another GPU)."""
+
+    def param_layout(self) -> ParamLayoutRows:
+        """`(name, dtype name, shape)` of every engine parameter (pack weights to this)."""
+        ...
+
+    def open_weight_group(self, name: str, host: str, port: int, world_size: int, rank: int) -> str:
+        """Join a trainer's NCCL weight group `name` as `rank`; returns the engine's GPU UUID."""
+        ...
+
+
+@runtime_checkable
+class ConcurrentSampler(Protocol):
+    """A sampler engine any number of threads may call at once, batching concurrent requests
+    itself (vllm): the actor runs its calls without a lock and awaits `submit_sample` instead of
+    holding a thread per request."""
+
+    def submit_sample(self, key: str, request: SampleRequest) -> "Future[SampleOutput]":
+        """Like `sample`, but returns a future at once (await it with `asyncio.wrap_future`)."""
+        ...

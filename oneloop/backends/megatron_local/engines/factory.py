@@ -7,10 +7,12 @@ from pathlib import Path
 
 from oneloop.backends.config import LocalBackendConfig
 from oneloop.backends.megatron_local.engines.base import LoraSpec, SamplerEngine, TrainerEngine
+from oneloop.errors import MissingDependencyError
 
 
-def _missing_gpu_extra(knob: str, kind: str, error: ImportError) -> RuntimeError:
-    return RuntimeError(
+def missing_gpu_extra(knob: str, kind: str, error: ImportError) -> MissingDependencyError:
+    """The error for a GPU engine named in config whose package (vLLM, megatron-core) is missing."""
+    return MissingDependencyError(
         f"local.{knob}={kind!r} needs the GPU engines: install oneloop[gpu] on a CUDA host "
         f"(import failed: {error})"
     )
@@ -26,28 +28,30 @@ def make_trainer_engine(
         "max_tokens_per_microbatch": local.max_tokens_per_microbatch,
     }
     if local.trainer_engine == "torch":
-        from oneloop.backends.megatron_local.engines.torch_trainer import TorchTrainerEngine
+        from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
         return TorchTrainerEngine(model_path, lora, device=local.device, **common)
-    from oneloop.backends.megatron_local.engines.megatron_pp_plan import check_gpus_per_trainer
+    from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
+        check_gpus_per_trainer,
+    )
 
     m = local.megatron
     check_gpus_per_trainer(local.gpus_per_trainer, m.tp, m.pp, m.cp)
     try:
         import megatron.core  # noqa: F401
 
-        from oneloop.backends.megatron_local.engines.megatron_trainer import (
+        from oneloop.backends.megatron_local.engines.megatron.trainer import (
             MegatronParallel,
             MegatronTrainerEngine,
         )
     except ImportError as error:
-        raise _missing_gpu_extra("trainer_engine", local.trainer_engine, error) from error
-    from oneloop.backends.megatron_local.engines.megatron_speed import MegatronSpeed
+        raise missing_gpu_extra("trainer_engine", local.trainer_engine, error) from error
+    from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
 
     parallel = MegatronParallel(**local.megatron.model_dump(exclude={"speed"}))
     common["speed"] = MegatronSpeed(**local.megatron.speed.model_dump())
     if parallel.tp * parallel.pp * parallel.cp > 1:  # rank 0 here, 1.. in worker processes
-        from oneloop.backends.megatron_local.engines.megatron_group import MegatronGroupEngine
+        from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
 
         return MegatronGroupEngine(model_path, lora, device="cuda", parallel=parallel, **common)
     return MegatronTrainerEngine(model_path, lora, device="cuda", parallel=parallel, **common)
@@ -57,9 +61,9 @@ def make_sampler_engine(
     local: LocalBackendConfig, model_path: Path, lora_rank: int = 0
 ) -> SamplerEngine:
     """The sampler engine `local.sampler_engine` on `model_path` (its base weights); a vllm engine
-    serves LoRA adapters up to `lora_rank` (`vllm_lora.pool_lora_rank`; 0 = LoRA off)."""
+    serves LoRA adapters up to `lora_rank` (`lora_serving.pool_lora_rank`; 0 = LoRA off)."""
     if local.sampler_engine == "torch":
-        from oneloop.backends.megatron_local.engines.torch_sampler import TorchSamplerEngine
+        from oneloop.backends.megatron_local.engines.torch.sampler import TorchSamplerEngine
 
         return TorchSamplerEngine(
             model_path,
@@ -71,10 +75,10 @@ def make_sampler_engine(
     try:
         import vllm  # noqa: F401
 
-        from oneloop.backends.megatron_local.engines.vllm_sampler import VllmSamplerEngine
+        from oneloop.backends.megatron_local.engines.vllm.sampler import VllmSamplerEngine
     except ImportError as error:
-        raise _missing_gpu_extra("sampler_engine", local.sampler_engine, error) from error
-    from oneloop.backends.megatron_local.engines.vllm_lora import lora_serving
+        raise missing_gpu_extra("sampler_engine", local.sampler_engine, error) from error
+    from oneloop.backends.megatron_local.engines.vllm.lora import lora_serving
 
     dtype = "bfloat16" if local.dtype == "bfloat16" else "float32"
     settings = local.vllm.model_dump(exclude={"max_lora_rank", "max_loras", "max_cpu_loras"})

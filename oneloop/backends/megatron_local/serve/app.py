@@ -15,7 +15,7 @@ Routes (method, path -> body type -> answer):
 - GET training_runs, training_runs/{id}, training_runs/{id}/checkpoints, checkpoints;
   DELETE training_runs/{id}/checkpoints/{weights|sampler_weights}/{name}.
 
-Bodies are read raw and validated in `wire`/`proto` (never by FastAPI), so a malformed body is a
+Bodies are read raw and validated in `wire`/`codec` (never by FastAPI), so a malformed body is a
 400 naming the field, never a 422 or 5xx. Auth and size limits run first, in `security`.
 """
 
@@ -34,15 +34,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
-from . import proto
-from .hot_routes import HotRoutes
-from .proto_scan import ScannedForwardBackward, decode_request
-from .service import ServeService
-from .wire import (
+from oneloop.backends.megatron_local.serve.codec.fast_scan import (
+    ScannedForwardBackward,
+    decode_request,
+)
+from oneloop.backends.megatron_local.serve.codec.reference import DecodedForwardBackward
+from oneloop.backends.megatron_local.serve.hot_routes import HotRoutes
+from oneloop.backends.megatron_local.serve.service import ServeService
+from oneloop.backends.megatron_local.serve.wire import (
     CancelFutureRequest,
     FinishSessionRequest,
     WeightsInfoRequest,
-    WireError,
     check_checkpoint_id,
     check_run_id,
     client_config,
@@ -50,6 +52,7 @@ from .wire import (
     parse_sample_request,
     try_again_body,
 )
+from oneloop.errors import WireError
 
 logger = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 10.0
@@ -204,7 +207,7 @@ def build_app(
             raise WireError(f"content-encoding: unsupported {encoding[:40]!r} (use zstd)", 415)
         body = await request.body()
 
-        def decode() -> tuple[proto.DecodedForwardBackward | ScannedForwardBackward, bytes]:
+        def decode() -> tuple[DecodedForwardBackward | ScannedForwardBackward, bytes]:
             raw = _decompress(body, max_decompressed_bytes) if encoding == "zstd" else body
             return decode_request(raw), raw
 

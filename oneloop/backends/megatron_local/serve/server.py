@@ -1,8 +1,8 @@
 """Starting `oneloop serve`: its config, the blocking entry points, and an in-process thread.
 
 - `serve_main(argv)`: the `oneloop serve` command line (the lead's CLI calls it).
-- `run_server(config, backend=None)`: blocking; builds the local backend from
-  `config.backend` unless one is passed.
+- `run_server(config, backend=None)`: blocking; builds the backend `config.backend` names
+  (`local`, or `tinker`: the SDK's client of a Tinker service) unless one is passed.
 - `ServerThread(config, backend)`: the same server on a background thread, on a free port
   when `config.port` is 0 (tests and benchmarks); a context manager, `.base_url`.
 
@@ -25,11 +25,14 @@ import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from oneloop.backends.config import BackendConfig, format_validation_error, parse_backend_config
+from oneloop.backends.megatron_local.serve.app import build_app
+from oneloop.backends.megatron_local.serve.security import (
+    GuardMiddleware,
+    check_bind,
+    resolve_api_key,
+)
+from oneloop.backends.megatron_local.serve.service import Limits, ServeService
 from oneloop.errors import ConfigError
-
-from .app import build_app
-from .security import GuardMiddleware, check_bind, resolve_api_key
-from .service import Limits, ServeService
 
 logger = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -116,9 +119,16 @@ def _uvicorn(config: ServeConfig, backend: Any) -> tuple[uvicorn.Server, ServeSe
 
 
 def _backend(config: ServeConfig) -> Any:
-    from oneloop.backends import connect
+    """The service client `config.backend` names, built here rather than through
+    `oneloop.backends.connect` (the package above this one): `local` is our Ray backend,
+    `tinker` the SDK's own client of a Tinker service (the server then relays to it)."""
+    if config.backend.backend == "local":
+        from oneloop.backends.megatron_local.service_client import LocalServiceClient
 
-    return connect(config.backend)
+        return LocalServiceClient(config.backend)
+    from oneloop.backends.tinker_remote import connect_remote
+
+    return connect_remote(config.backend)
 
 
 def run_server(config: ServeConfig, backend: Any = None) -> None:

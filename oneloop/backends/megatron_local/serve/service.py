@@ -36,22 +36,39 @@ import numpy as np
 import pydantic
 from tinker import types
 
-from oneloop.backends.sequence_ids import make_sequence_id
-from oneloop.errors import CheckpointNotFoundError, RequestError
-
-from . import proto
-from .futures import FutureStore, Job, ModelSequencer, Outcome, SeenIds, await_backend, digest
-from .proto_scan import ScannedForwardBackward
-from .sample_versions import check_fixed_version as _check_fixed_version
-from .sample_versions import sampled_versions
-from .state import CheckpointStore, ModelSlot, Registry, SamplerSlot
-from .wire import (
-    WireError,
+from oneloop.backends.megatron_local.serve.codec.fast_scan import ScannedForwardBackward
+from oneloop.backends.megatron_local.serve.codec.forward_backward_encoder import (
+    encode_forward_backward_output,
+)
+from oneloop.backends.megatron_local.serve.codec.reference import DecodedForwardBackward
+from oneloop.backends.megatron_local.serve.codec.sample_encoder import encode_sample_response
+from oneloop.backends.megatron_local.serve.codec.sample_versions import (
+    check_fixed_version,
+    sampled_versions,
+)
+from oneloop.backends.megatron_local.serve.request_store import (
+    FutureStore,
+    Job,
+    ModelSequencer,
+    Outcome,
+    SeenIds,
+    await_backend,
+    digest,
+)
+from oneloop.backends.megatron_local.serve.state import (
+    CheckpointStore,
+    ModelSlot,
+    Registry,
+    SamplerSlot,
+)
+from oneloop.backends.megatron_local.serve.wire import (
     failed_future_body,
     sampling_session_id,
     session_of,
     training_model_id,
 )
+from oneloop.backends.sequence_ids import make_sequence_id
+from oneloop.errors import CheckpointNotFoundError, RequestError, WireError
 
 PROTO = "application/x-protobuf"
 MAX_SAMPLES_PER_REQUEST = 1024
@@ -264,10 +281,10 @@ class ServeService:
         request_id = slot.sequencer.offer(seq_id, digest(payload), request_type, make_job)
         return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
-    def forward_backward(self, req: proto.DecodedForwardBackward | ScannedForwardBackward,
+    def forward_backward(self, req: DecodedForwardBackward | ScannedForwardBackward,
                          raw: bytes) -> types.UntypedAPIFuture:
         def encode(out: types.ForwardBackwardOutput) -> Outcome:
-            return Outcome(proto.encode_forward_backward_output(out), PROTO)
+            return Outcome(encode_forward_backward_output(out), PROTO)
 
         return self._ordered(
             req.model_id, req.seq_id, "Forward" if req.forward_only else "ForwardBackward", raw,
@@ -457,14 +474,14 @@ class ServeService:
 
         def encode(resp: types.SampleResponse) -> Outcome:
             if slot.fixed_weights:
-                _check_fixed_version(resp, created_version, slot.sampler_id)
+                check_fixed_version(resp, created_version, slot.sampler_id)
             if last_n is not None and resp.prompt_logprobs is not None:
                 values = list(resp.prompt_logprobs)
                 cut = len(values) - last_n
                 values[:cut] = [None] * cut
                 resp = types.SampleResponse(sequences=resp.sequences,
                                             _prompt_logprobs_list=values)
-            return Outcome(proto.encode_sample_response(resp), PROTO)
+            return Outcome(encode_sample_response(resp), PROTO)
 
         self.store.start(request_id, result, encode)
         versions = [created_version] * req.num_samples

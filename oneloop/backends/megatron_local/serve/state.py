@@ -3,7 +3,7 @@
 Sessions, models and samplers live in memory for the life of the server (the SDK re-creates
 them after a restart). Checkpoints live on disk where the local backend saves them,
 `<run_dir>/<run>/<weights|sampler_weights>/<name>/meta.json`, so listing and deleting them
-works across restarts; `paths.TinkerPath` guarantees every path stays inside `run_dir`.
+works across restarts; `checkpoints.TinkerPath` guarantees every path stays inside `run_dir`.
 
 Ids: a session is `sess-<hex>`; the SDK derives a training model id `"{session}:train:{n}"`
 and a sampler id `"{session}:sample:{n}"` itself, so the server keys models and samplers by
@@ -13,7 +13,6 @@ those wire ids and maps a model to the backend's run id (`run-<hex>`, the `<run>
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import time
 import uuid
@@ -24,11 +23,9 @@ from typing import Any
 
 from tinker import types
 
-from oneloop.backends.megatron_local.paths import META_FILE, TinkerPath
-from oneloop.errors import RequestError
-
-from .futures import ModelSequencer, SeenIds
-from .wire import WireError
+from oneloop.backends.megatron_local.checkpoints import META_FILE, CheckpointMeta, TinkerPath
+from oneloop.backends.megatron_local.serve.request_store import ModelSequencer, SeenIds
+from oneloop.errors import RequestError, WireError
 
 
 @dataclass
@@ -147,23 +144,23 @@ class CheckpointStore:
         """Validate a `tinker://` path (no traversal, known kind) without touching disk."""
         return _parse(path, field_name)
 
-    def meta(self, path: TinkerPath, field_name: str) -> dict[str, Any]:
+    def meta(self, path: TinkerPath, field_name: str) -> CheckpointMeta:
         try:
             directory = path.existing_directory(self.run_dir)
         except RequestError as e:
             raise WireError(f"{field_name}: {e}", 404) from e
-        return json.loads((directory / META_FILE).read_text())
+        return CheckpointMeta.read(directory)
 
     def weights_info(self, path: str) -> types.WeightsInfoResponse:
         meta = self.meta(self.parse(path, "tinker_path"), "tinker_path")
-        rank = int(meta.get("lora_rank") or 0)
+        rank = meta.lora_rank
         return types.WeightsInfoResponse(
-            base_model=meta["base_model"],
+            base_model=meta.base_model,
             is_lora=rank > 0,
             lora_rank=rank or None,
-            train_mlp=meta.get("train_mlp"),
-            train_attn=meta.get("train_attn"),
-            train_unembed=meta.get("train_unembed"),
+            train_mlp=meta.train_mlp,
+            train_attn=meta.train_attn,
+            train_unembed=meta.train_unembed,
         )
 
     def checkpoints(self, run_id: str) -> list[types.Checkpoint]:
@@ -177,7 +174,7 @@ class CheckpointStore:
                 meta_file = directory / META_FILE
                 if not meta_file.is_file():
                     continue
-                meta = json.loads(meta_file.read_text())
+                meta = CheckpointMeta.read(directory)
                 out.append(
                     types.Checkpoint(
                         checkpoint_id=f"{kind}/{directory.name}",
@@ -186,7 +183,7 @@ class CheckpointStore:
                         tinker_path=f"tinker://{run_id}/{kind}/{directory.name}",
                         size_bytes=sum(f.stat().st_size for f in directory.rglob("*")
                                        if f.is_file()),
-                        user_metadata=meta.get("user_metadata") or None,
+                        user_metadata=meta.user_metadata or None,
                     )
                 )
         return sorted(out, key=lambda c: c.time)
@@ -208,12 +205,12 @@ class CheckpointStore:
         checkpoints = self.checkpoints(run_id)
         if slot is None and not checkpoints:
             raise WireError(f"training_run_id: unknown training run {run_id!r}", 404)
-        meta: dict[str, Any] = {}
+        meta: CheckpointMeta | None = None
         if checkpoints:
             last = checkpoints[-1]
             meta = self.meta(_parse(last.tinker_path, "training_run_id"), "training_run_id")
         backend = slot.backend if slot is not None else None
-        rank = int(backend.lora.rank if backend is not None else meta.get("lora_rank") or 0)
+        rank = int(backend.lora.rank if backend is not None else meta.lora_rank if meta else 0)
         training = [c for c in checkpoints if c.checkpoint_type == "training"]
         sampler = [c for c in checkpoints if c.checkpoint_type == "sampler"]
         last_time = max(
@@ -222,7 +219,7 @@ class CheckpointStore:
         )
         return types.TrainingRun(
             training_run_id=run_id,
-            base_model=str(backend.base_model if backend is not None else meta["base_model"]),
+            base_model=str(backend.base_model if backend is not None else meta.base_model),
             model_owner="local",
             is_lora=rank > 0,
             lora_rank=rank or None,

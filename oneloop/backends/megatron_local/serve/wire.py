@@ -18,7 +18,7 @@ Protocol facts (read from the SDK source, tinker 0.38):
   `model_seq_id` n is `"{s}:train:{n}"`; a sampling session is `"{s}:sample:{n}"`.
 - `tinker://` paths are `tinker://<training_run_id>/<weights|sampler_weights>/<name>`
   (`ParsedCheckpointTinkerPath`); checkpoint ids are `<weights|sampler_weights>/<name>`. Each
-  component must pass the local backend's `paths.check_component` (no separators, no `..`).
+  component must pass the local backend's `checkpoints.check_component` (no separators, no `..`).
 """
 
 from __future__ import annotations
@@ -31,17 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
-from oneloop.backends.megatron_local.paths import check_component
-from oneloop.errors import RequestError
-
-
-class WireError(Exception):
-    """A request the server refuses; `status` is the HTTP status, the message names the field."""
-
-    def __init__(self, message: str, status: int = 400, *, retry: bool | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry = retry
+from oneloop.backends.megatron_local.checkpoints import check_component
+from oneloop.errors import RequestError, WireError
 
 
 class _Strict(BaseModel):

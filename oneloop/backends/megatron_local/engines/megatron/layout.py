@@ -1,0 +1,179 @@
+"""Hugging Face ⇄ Megatron-core parameter mapping for the dense families the `megatron` engine runs.
+
+Families: Qwen3 (GQA, QK-norm, optional tied embeddings), Qwen2 (GQA with q/k/v biases) and Llama.
+Our own mapping, round-trip tested. megatron-bridge is not used: its newest release (0.6.2) needs
+transformers <= 5.12.1 (this install has 5.24) and fails at import (`transformers.
+modeling_attn_mask_utils` is gone), and its Qwen3/Llama mappings name TransformerEngine's fused
+norm+linear parameters, which the local spec (no TE on the device image) does not have.
+
+Megatron's fused layouts, which the mapping must reproduce exactly:
+- `linear_qkv.weight` [(H + 2G)·D, hidden] is grouped per KV group g: the H/G query heads of g,
+  then g's key head, then g's value head (not q-block, k-block, v-block as in vLLM);
+- `linear_fc1.weight` [2·ffn, hidden] is gate rows then up rows (SwiGLU);
+- norms keep their names' roles: `input_layernorm`, `pre_mlp_layernorm` (HF post_attention_layernorm),
+  `q_layernorm`/`k_layernorm` (Qwen3 q_norm/k_norm), `decoder.final_layernorm`.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class DenseShape:
+    """The figures of a dense decoder the mapping needs (read from the HF config)."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_theta: float
+    rms_eps: float
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, config: Any) -> "DenseShape":
+        model_type = getattr(config, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"trainer_engine=megatron supports model_type {SUPPORTED_MODEL_TYPES}; "
+                f"this config has model_type={model_type!r} (use trainer_engine=torch)"
+            )
+        heads = int(config.num_attention_heads)
+        rope = getattr(config, "rope_theta", None)
+        if rope is None:  # transformers >= 5 keeps it under rope_parameters
+            rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(
+            model_type=model_type,
+            layers=int(config.num_hidden_layers),
+            hidden=int(config.hidden_size),
+            ffn=int(config.intermediate_size),
+            heads=heads,
+            kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            vocab=int(config.vocab_size),
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope_theta=float(rope),
+            rms_eps=float(config.rms_norm_eps),
+            max_positions=int(config.max_position_embeddings),
+        )
+
+
+def _per_layer(shape: DenseShape) -> list[tuple[str, str]]:
+    """(megatron suffix, hf suffix) pairs copied one to one inside layer i."""
+    pairs = [
+        ("input_layernorm.weight", "input_layernorm.weight"),
+        ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+        ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+    ]
+    if shape.qk_norm:
+        pairs += [
+            ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+            ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+        ]
+    return pairs
+
+
+def fuse_qkv(shape: DenseShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q/k/v ([H·D, ...], [G·D, ...], [G·D, ...]) → Megatron's per-group interleaved block."""
+    group = shape.heads // shape.kv_heads
+    d = shape.head_dim
+    tail = q.shape[1:]
+    qg = q.reshape(shape.kv_heads, group * d, *tail)
+    kg = k.reshape(shape.kv_heads, d, *tail)
+    vg = v.reshape(shape.kv_heads, d, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(shape: DenseShape, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    group = shape.heads // shape.kv_heads
+    d = shape.head_dim
+    tail = qkv.shape[1:]
+    blocks = qkv.reshape(shape.kv_heads, (group + 2) * d, *tail)
+    q, k, v = torch.split(blocks, [group * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def hf_to_megatron(shape: DenseShape, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map a full HF state dict (names as in `model.safetensors`) to GPTModel parameter names."""
+    out: dict[str, torch.Tensor] = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    if not shape.tied:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(shape.layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for mega, name in _per_layer(shape):
+            out[dst + mega] = hf[src + name]
+        attn = src + "self_attn."
+        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            shape,
+            hf[attn + "q_proj.weight"],
+            hf[attn + "k_proj.weight"],
+            hf[attn + "v_proj.weight"],
+        )
+        if shape.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                shape, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]
+            )
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0
+        )
+    return out
+
+
+def megatron_to_hf(shape: DenseShape, mega: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_megatron`; a tied model also gets `lm_head.weight` (samplers untie)."""
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": mega["embedding.word_embeddings.weight"],
+        "model.norm.weight": mega["decoder.final_layernorm.weight"],
+        "lm_head.weight": mega[
+            "embedding.word_embeddings.weight" if shape.tied else "output_layer.weight"
+        ],
+    }
+    for i in range(shape.layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for mega_name, name in _per_layer(shape):
+            out[dst + name] = mega[src + mega_name]
+        q, k, v = _split_qkv(shape, mega[src + "self_attention.linear_qkv.weight"])
+        out[dst + "self_attn.q_proj.weight"] = q
+        out[dst + "self_attn.k_proj.weight"] = k
+        out[dst + "self_attn.v_proj.weight"] = v
+        if shape.qkv_bias:
+            qb, kb, vb = _split_qkv(shape, mega[src + "self_attention.linear_qkv.bias"])
+            out[dst + "self_attn.q_proj.bias"] = qb
+            out[dst + "self_attn.k_proj.bias"] = kb
+            out[dst + "self_attn.v_proj.bias"] = vb
+        gate, up = torch.chunk(mega[src + "mlp.linear_fc1.weight"], 2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate
+        out[dst + "mlp.up_proj.weight"] = up
+    return out
+
+
+def megatron_param_names(shape: DenseShape) -> list[str]:
+    """GPTModel (local spec) parameter names of `shape`, in the order `hf_to_megatron` yields them."""
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+    if not shape.tied:
+        names.append("output_layer.weight")
+    for i in range(shape.layers):
+        prefix = f"decoder.layers.{i}."
+        names += [prefix + mega for mega, _ in _per_layer(shape)]
+        names.append(prefix + "self_attention.linear_qkv.weight")
+        if shape.qkv_bias:
+            names.append(prefix + "self_attention.linear_qkv.bias")
+        names.append(prefix + "mlp.linear_fc1.weight")
+    return names

@@ -1,0 +1,240 @@
+"""One rank of a pipeline-parallel `megatron` trainer group (pp > 1, optionally × tp; the ranks are
+started and driven by `megatron.group`).
+
+Every rank runs the same calls in the same order; what differs from the one-process engine:
+- model: GPTModel of this rank's stage only (`pre_process` on the first stage: embeddings;
+  `post_process` on the last: final norm + output layer; Megatron builds the stage's
+  L/pp layers). Import gives the stage its layers by the layer-number offset
+  (`parallel.pp_plan.stage_parts`), each TP rank its shard (`parallel.shard`). Tied embeddings:
+  the last stage holds a copy of the embedding as its output layer, kept equal the way
+  megatron-core does: both gradients summed over the embedding group (`finalize_model_grads`).
+- forward_backward: the token-budget micro-batches of `run_microbatches`' packing go through
+  megatron-core's 1F1B schedule (`get_forward_backward_func`), with `variable_seq_lengths`
+  (each micro-batch's [seq, rows, hidden] activation shape is sent ahead of it). The loss is
+  Tinker's SUM: the last stage returns it with `calculate_per_token_loss` on, so the schedule
+  does not divide by the token count or the number of micro-batches, and no
+  `finalize_model_grads_func` runs per call (gradients accumulate until optim_step; the grads are
+  finalised once there, never scaled). The last stage's per-datum logprobs, losses and metrics
+  (input order, `run_microbatches` assembling the schedule's results) are broadcast over the
+  pipeline group, so rank 0 (first stage) returns them.
+- optim_step: `finalize_model_grads` (tied-embedding sum over the embedding group, QK-norm sum
+  over the TP group), non-finite gradients on any rank are an error on every rank (grads
+  zeroed, no step), then Megatron's optimizer: its grad norm is over every stage and TP shard
+  (model-parallel group; the tied copy and TP duplicates counted once).
+- export: each stage's TP rank 0 gathers its stage's full tensors and sends them to global rank
+  0, which returns the full HF weights (the others an empty dict; every rank must call it).
+- checkpoint: rank 0 writes the full HF weights (loadable at any tp/pp); every rank writes its own
+  optimizer shard (`optimizer.tp{T}.pp{P}.rank{r}.pt`): resumable at the same tp and pp only.
+LoRA is refused (its adapters are not pipeline-parallel).
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oneloop.backends.megatron_local import losses
+from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult, LoraSpec
+from oneloop.backends.megatron_local.engines.megatron import speed as megatron_speed
+from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape, megatron_to_hf
+from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
+    check_pp,
+    global_parts,
+    rank_coords,
+    stage_layers,
+    stage_parts,
+)
+from oneloop.backends.megatron_local.engines.megatron.parallel.shard import (
+    REPLICATED,
+    check_tp,
+    gather,
+    shard_all,
+    tp_kind,
+)
+from oneloop.backends.megatron_local.engines.megatron.trainer import (
+    MegatronParallel,
+    MegatronTrainerEngine,
+)
+from oneloop.backends.megatron_local.engines.microbatch import (
+    pack_microbatches,
+    run_microbatches,
+)
+from oneloop.errors import CapabilityError
+
+
+class MegatronPpRank(MegatronTrainerEngine):
+    """Global rank `rank` of a tp × pp group whose torch.distributed world is initialised."""
+
+    def __init__(
+        self, model_path: Path, lora: LoraSpec, *, parallel: MegatronParallel, rank: int, **kwargs
+    ) -> None:
+        if lora.rank > 0:
+            raise CapabilityError(
+                f"LoRA rank {lora.rank} with local.megatron.pp={parallel.pp}: the megatron "
+                "engine's LoRA adapters are not pipeline-parallel; use pp=1 for LoRA"
+            )
+        if parallel.cp > 1:
+            raise CapabilityError(
+                f"local.megatron pp={parallel.pp} with cp={parallel.cp}: pipeline and context "
+                "parallelism together are not built; use one of them"
+            )
+        from transformers import AutoConfig
+
+        shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        check_tp(shape, parallel.tp)
+        check_pp(shape.layers, parallel.pp)
+        self.rank = self.global_rank = rank
+        self.tp, self.pp = parallel.tp, parallel.pp
+        self.coords = rank_coords(rank, parallel.tp, parallel.pp, parallel.cp)
+        self.layers = stage_layers(shape.layers, parallel.pp, self.coords.pp_rank)
+        self.first, self.last = self.coords.pp_rank == 0, self.coords.pp_rank == parallel.pp - 1
+        super().__init__(model_path, lora, parallel=parallel, **kwargs)
+        from megatron.core import parallel_state as ps
+
+        got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        if got != (self.coords.tp_rank, self.coords.pp_rank):
+            raise RuntimeError(f"rank {rank}: expected (tp, pp) ranks {self.coords}, got {got}")
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _transformer_config(self):
+        from dataclasses import replace
+
+        return replace(
+            super()._transformer_config(),
+            pipeline_model_parallel_size=self.pp,
+            variable_seq_lengths=True,  # micro-batches differ in rows and length
+            calculate_per_token_loss=True,  # the schedule keeps our SUM loss as is
+            moe_token_dispatcher_type="alltoall",  # dense model: only to pass that MoE check
+        )
+
+    def _stage(self) -> dict[str, bool]:
+        return {"pre_process": self.first, "post_process": self.last}
+
+    def _local_parts(self, mapped: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        stage = stage_parts(mapped, self.layers, self.first, self.last, self.shape.tied)
+        return shard_all(stage, self.tp, self.coords.tp_rank)
+
+    def _target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        return -vocab_parallel_cross_entropy(logits, targets)  # fp32 inside, TP all-reduced
+
+    @staticmethod
+    def _groups():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+
+    # -- training --------------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        data: list[DatumArrays],
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None,
+        forward_only: bool,
+    ) -> ForwardResult:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        config = losses.validate_loss_config(loss_fn, loss_fn_config)
+        # On every rank before any p2p: an input error raised by the last stage alone (in the loss)
+        # would leave the other stages waiting in the schedule.
+        for index, datum in enumerate(data):
+            inputs = {"target_tokens": datum.targets, **datum.inputs}
+            losses.validate_datum_inputs(loss_fn, len(datum.tokens), inputs, index)
+        if not data:
+            return ForwardResult([], 0.0, [], {})
+        self.model.train()
+        groups = pack_microbatches([len(d.tokens) for d in data], self.max_tokens_per_microbatch)
+        batches = iter([[data[i] for i in group] for group in groups])
+        done: list[tuple[losses.LossResult, np.ndarray]] = []  # last stage, per micro-batch
+        fused = self.last and megatron_speed.fused_logprobs_applies(
+            self.speed, self.module, self.tp
+        )
+
+        def step(iterator, model):
+            tokens, targets, mask, inputs, positions = self._batch_tensors(next(iterator))
+            kwargs = {}
+            if fused:
+                processor = megatron_speed.logprobs_processor(self.speed, targets, self.device)
+                kwargs["output_processor"] = processor
+            output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **kwargs)
+
+            def loss(output: torch.Tensor):
+                target_lp = output if fused else self._target_logprobs(output, targets)
+                result = losses.compute_loss(loss_fn, target_lp, inputs, mask, config)
+                done.append((result, target_lp.detach().float().cpu().numpy()))
+                return result.loss, mask.sum().to(torch.int), {}  # count: unused (no finalize)
+
+            return output, loss
+
+        longest = max(len(d.tokens) for d in data)
+        rows = max(len(group) for group in groups)
+        with torch.set_grad_enabled(not forward_only):
+            get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=batches,
+                model=[self.model],
+                num_microbatches=len(groups),
+                seq_length=longest,  # the first shapes; variable_seq_lengths sends each one
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+        result = None
+        if self.last:
+            results = iter(done)
+            result = run_microbatches(data, self.max_tokens_per_microbatch, lambda _: next(results))
+        box = [result]
+        _, pp_group = self._groups()
+        last = torch.distributed.get_global_rank(pp_group, self.pp - 1)
+        torch.distributed.broadcast_object_list(box, src=last, group=pp_group)
+        return box[0]
+
+    def _finish_grads(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])  # DP sync, QK-norm TP sum, tied-embedding sum
+        bad = torch.zeros(1, device=self.device)
+        for param in self.model.parameters():
+            grad = getattr(param, "main_grad", None)
+            if param.requires_grad and grad is not None and not torch.isfinite(grad).all():
+                bad.fill_(1.0)
+                break
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if bad.item() > 0:
+            self.model.zero_grad_buffer()  # the group stays usable; the next step starts clean
+            self.optimizer.zero_grad()
+            raise RuntimeError("megatron optim_step: non-finite gradients (step skipped)")
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Full HF weights on rank 0 (empty dict elsewhere); every rank must call it."""
+        tp_group, _ = self._groups()
+        local = {}
+        for name, param in self._params_by_hf_layout().items():
+            part = param.detach()
+            if self.tp > 1 and tp_kind(name) != REPLICATED:
+                parts = [torch.empty_like(part) for _ in range(self.tp)]
+                torch.distributed.all_gather(parts, part.contiguous(), group=tp_group)
+                part = gather(name, parts)
+            local[name] = part
+        if self.coords.tp_rank != 0:
+            return {}
+        mine = global_parts(local, self.layers, self.first, self.shape.tied)
+        dist = torch.distributed
+        if self.rank != 0:  # this stage's TP rank 0 sends its tensors to rank 0
+            dist.send_object_list([[(n, tuple(t.shape), t.dtype) for n, t in mine.items()]], 0)
+            for tensor in mine.values():
+                dist.send(tensor.contiguous(), 0)
+            return {}
+        full = dict(mine)
+        for stage in range(1, self.pp):
+            src = stage * self.tp  # (tp 0, cp 0, stage) in Megatron's order (cp = 1 here)
+            meta: list = [None]
+            dist.recv_object_list(meta, src)
+            for name, shape, dtype in meta[0]:
+                full[name] = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(full[name], src)
+        return megatron_to_hf(self.shape, full)

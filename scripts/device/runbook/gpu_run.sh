@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The GPU runbook as one script: `bash scripts/device/runbook/gpu_run.sh STAGE` on the device machine
+# (the `device` tool's `run`, repository root as working directory). Stages, in order, each one
+# device call issued right after the previous one (a warm machine is given back after ~30 s idle):
+#
+#   setup1    carry [".w1"]          megatron-core; stash the first half of the vLLM wheel
+#   setup2    carry [".w2"]          vLLM (repacked, no flash-attn .so) + its missing deps
+#   setup3    carry [".w3", ".w4"]   Ray; tinker SDK + deps; random Qwen3 0.6B / 1.7B shapes
+#   setup_moe carry [".w5"]          optional: vLLM's MoE kernels (scripts/device/packers/prepare_moe_part.sh)
+#   megatron                         megatron-vs-torch parity test, save/load test, MFU bench
+#   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
+#   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
+#                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL)
+#   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
+#   tp        (nvidia-h200-x2)       megatron engine at TP=2 vs TP=1 (tests/gpu/test_megatron_tp.py)
+#   mfu                              megatron MFU per speed switch vs baseline vs torch (~4 min;
+#                                    starts no variant after 200 s: MFU_ARGS="--time-budget-s 400")
+#   mfu_test                         speed switches on vs off: same logprobs/loss/step (0.6B)
+#   lora                             LoRA adapters as vLLM LoRA modules: engine tests (snapshots,
+#                                    logprobs vs torch merged weights, inflight swap) + Ray run
+#   mlora                            megatron-engine LoRA vs torch-engine LoRA (loss, logprobs,
+#                                    adapter after a step, merged weights) + LoRA save/load
+#   mlora_tp  (nvidia-h200-x2)       megatron-engine LoRA at TP=2 vs TP=1 (loss, logprobs, grad
+#                                    norm, adapter after a step, merged weights, per-rank save/load)
+#   offload                          megatron optimizer CPU offload vs not (0.6B): loss, weights,
+#                                    state on the CPU, GPU memory after the step, save/load
+#   pp        (nvidia-h200-x2)       megatron engine at PP=2 vs PP=1 (loss, logprobs, grad norm,
+#                                    update cosine, forward_only, per-rank save/load; test_megatron_pp)
+#   cp        (nvidia-h200-x2)       megatron engine at CP=2 vs CP=1, seq 4096, no TE (loss, logprobs,
+#                                    grad norm, update cosine, forward_only, save/load; test_megatron_cp)
+#   te1..te4  carry [".wteN"]        optional, after setup1-3: stash a part of TransformerEngine's wheel
+#   te5       carry [".wte5"]        join and install TE 2.20.2 (+ its torch extension built here by
+#                                    scripts/device/packers/prepare_te_parts.sh); from then on the megatron
+#                                    engine's default layer spec is TE's (local.megatron.speed.layer_spec)
+#   te_tests                         after te5: megatron engine on the TE spec and the local spec vs the
+#                                    torch engine, save/load on both, a TE checkpoint on the local spec,
+#                                    LoRA (local spec), optimizer offload (TE's FusedAdam state in and out)
+#                                    Then `mfu` with MFU_ARGS="--variants baseline,all,te,te_mb8k,torch"
+#                                    and `e2e` (the whole backend, TE spec) run on TE too.
+#
+# Build the carried folders here first: ../shared/device/prepare_parts.sh (.w1-.w3) and
+# `pip download` of tinker 0.38 and its deps the image lacks into .w4 (see docs in README "GPU").
+# Figures land in $OUT (JSON per test / bench) and in the printed RESULT / FIGURES lines.
+set -uo pipefail
+stage="${1:?stage}"
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+export VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0 RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0  # no NVLink multicast on the lent machines (device KINDS.md)
+export OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT" /tmp/site /tmp/w /tmp/models
+pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@"; }
+pytest_gpu() { python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -q -rA "$@"; }
+if [ "$stage" != setup1 ] && [ ! -d /tmp/site/megatron ]; then
+  echo "machine lost (no /tmp/site/megatron): start again at setup1" >&2; exit 3
+fi
+case "$stage" in
+  setup1)
+    cp .w1/vllm.part0 /tmp/w/ && pip_target .w1/megatron_core*.whl
+    nvidia-smi --query-gpu=name,memory.total --format=csv ;;
+  setup2)
+    cat /tmp/w/vllm.part0 .w2/vllm.part1 > /tmp/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    pip_target /tmp/w/vllm-0.26.0-*.whl .w2/deps/*.whl
+    sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' /tmp/site/vllm/vllm_flash_attn/__init__.py
+    python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
+  setup3)
+    pip_target .w3/ray*.whl .w4/*.whl
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 0.6b --out /tmp/models/qwen3-0.6b
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 1.7b --out /tmp/models/qwen3-1.7b
+    python3 -c "import ray, tinker, megatron.core; print('ray', ray.__version__, 'tinker', tinker.__version__)" ;;
+  setup_moe)   # carry [".w5"] (scripts/device/packers/prepare_moe_part.sh): vLLM's MoE kernels
+    xz -dc .w5/_moe_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
+    python3 -c "import vllm._moe_C_stable_libtorch" 2>&1 | tail -1 ;;
+  megatron)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py 2>&1 | tail -40
+    python3 benchmarks/gpu_train.py --model-dir /tmp/models 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
+  vllm)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
+    python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
+  e2e)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_local_gpu_backend.py > "$OUT/e2e.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/e2e.log" | tail -20; tail -30 "$OUT/e2e.log" ;;
+  nccl)
+    python3 benchmarks/gpu_nccl_sync.py --model-dir /tmp/models/qwen3-0.6b > "$OUT/nccl.log" 2>&1 \
+      || tail -40 "$OUT/nccl.log"
+    grep RESULT "$OUT/nccl.log" | tail -20 ;;
+  tp)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_tp.py > "$OUT/tp.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/tp.log" | tail -20; tail -30 "$OUT/tp.log" ;;
+  mfu)
+    # shellcheck disable=SC2086
+    python3 benchmarks/gpu_mfu.py --model-dir /tmp/models ${MFU_ARGS:-} > "$OUT/mfu.log" 2>&1 \
+      || tail -40 "$OUT/mfu.log"
+    grep -E "Error|error" "$OUT/mfu.log" | grep -v '^RESULT' | tail -8
+    grep -v '^RESULT {"summary"' "$OUT/mfu.log" | sed -n '/^variant /,$p' ;;
+  mfu_test)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_speed.py > "$OUT/mfu_test.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/mfu_test.log" | tail -20; tail -30 "$OUT/mfu_test.log" ;;
+  lora)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py -k lora \
+      tests/gpu/test_vllm_lora_backend.py > "$OUT/lora.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES|^lora " "$OUT/lora.log" | tail -20; tail -30 "$OUT/lora.log" ;;
+  mlora)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py -k lora > "$OUT/mlora.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/mlora.log" | tail -20; tail -30 "$OUT/mlora.log" ;;
+  mlora_tp)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_lora_tp.py > "$OUT/mlora_tp.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/mlora_tp.log" | tail -20; tail -30 "$OUT/mlora_tp.log" ;;
+  offload)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_offload.py > "$OUT/offload.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/offload.log" | tail -20; tail -30 "$OUT/offload.log" ;;
+  pp)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_pp.py > "$OUT/pp.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/pp.log" | tail -20; tail -30 "$OUT/pp.log" ;;
+  cp)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_cp.py > "$OUT/cp.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/cp.log" | tail -20; tail -30 "$OUT/cp.log" ;;
+  te1|te2|te3|te4)   # carry [".wteN"]: one part of TE's common wheel
+    cp ".w$stage"/te.part* /tmp/w/ && ls -l /tmp/w | grep te.part ;;
+  te5)
+    te_wheel=/tmp/w/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
+    cat /tmp/w/te.part* .wte5/te.part* > "$te_wheel"
+    echo "$(cat .wte5/te.sha256)  $te_wheel" | sha256sum -c - || exit 4
+    pip_target "$te_wheel" .wte5/*.whl
+    python3 -c "import transformer_engine as t, transformer_engine.pytorch; print('TE', t.__version__)" ;;
+  te_tests)
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py \
+      tests/gpu/test_megatron_offload.py > "$OUT/te_tests.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/te_tests.log" | tail -30; tail -30 "$OUT/te_tests.log" ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac

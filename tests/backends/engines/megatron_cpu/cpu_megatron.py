@@ -1,0 +1,241 @@
+"""What the Megatron engine checks on gloo ranks share (tests/backends/engines/megatron_cpu/).
+
+Owns the CUDA-on-CPU stand-ins those checks install (never product code), the tiny random Qwen3
+they build, random data, the engine they drive (one process, or `megatron.group` ranks on gloo),
+the subprocess per phase (one torch.distributed world per process) and the comparison helpers.
+Each check is a pair: `<name>_gloo_phases.py`, the script a phase runs in its own process (its own
+calls; it installs the shims), and `test_megatron_<name>_gloo.py`, the pytest test that runs the
+phases and asserts the figures and tolerances on what they wrote.
+
+The shims must reach every rank: `megatron.group` spawns ranks 1..N-1, which import the phase
+script as their main module, so a phase script calls `cuda_calls_on_cpu` at its top level. oneloop
+is imported inside the functions here, so a script can install the shims before anything imports
+megatron-core. Importing this module installs nothing: the pytest process imports it for the
+comparison helpers and `run_phases`, and never calls `cuda_calls_on_cpu`.
+"""
+
+import contextlib
+import functools
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# torch factories that megatron-core's DDP, optimizer, schedules and grad-norm code call with
+# `device="cuda"` (or a CUDA device index) for small scalars and buffers.
+FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like", "arange")
+GROUP_TIMEOUT_S = 300  # per group call: a tiny model on 2 shared cores, ranks on gloo
+
+
+class NullStream:
+    """A CUDA stream or event that is never waited on: everything runs in order on the CPU."""
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        pass
+
+    def wait_event(self, *_args) -> None:
+        pass
+
+    def wait_stream(self, *_args) -> None:
+        pass
+
+    def record_event(self, *_args) -> "NullStream":
+        return NullStream()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *_args) -> None:
+        pass
+
+
+def _cpu(device):
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return "cpu"
+    return device
+
+
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def inner(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return inner
+
+
+_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):  # Megatron's optimizers accept torch.cuda.* only
+    out = _tensor_type(self, *args, **kwargs)
+    if not args and not kwargs and out.startswith("torch.") and not out.startswith("torch.cuda."):
+        return out.replace("torch.", "torch.cuda.", 1)
+    return out
+
+
+_installed: set[str] = set()
+
+
+def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -> None:
+    """Make the CUDA calls megatron-core makes on a CPU run no-ops (idempotent).
+
+    `torch.cuda.current_device()` returns `device` ("cpu": RoPE moves its frequencies there and
+    the p2p shape buffers are allocated there; an index for a check that maps it itself);
+    streams and events are `NullStream`s, `torch.cuda.stream(...)` a null context, and
+    `synchronize` returns at once. With `allocations`, also: the `FACTORIES` put tensors asked
+    for on CUDA on the CPU, `Tensor.cuda()` returns the tensor itself, and `Tensor.type()` names
+    a CPU tensor `torch.cuda.*Tensor` (Megatron's DDP, optimizer and schedules on CPU tensors).
+    """
+    torch.cuda.current_device = lambda: device
+    torch.cuda.current_stream = lambda *_args, **_kwargs: NullStream()
+    torch.cuda.Stream, torch.cuda.Event = NullStream, NullStream
+    torch.cuda.stream = lambda *_args, **_kwargs: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *_args, **_kwargs: None
+    if allocations and "allocations" not in _installed:
+        _installed.add("allocations")
+        for name in FACTORIES:
+            setattr(torch, name, _on_cpu(getattr(torch, name)))
+        torch.Tensor.cuda = lambda self, *_args, **_kwargs: self
+        torch.Tensor.type = _cuda_type_name
+
+
+def tiny_qwen3(directory: Path, *, layers: int = 2, tied: bool = True) -> Path:
+    """A random Qwen3 (GQA, QK-norm; seed 0) saved in HF form in `directory`, once."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if not (directory / "config.json").is_file():
+        config = Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=tied,
+            max_position_embeddings=256,
+        )
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def build_model(directory: Path, **kwargs) -> Path:
+    """`tiny_qwen3` from the pytest process, before phases that run concurrently (each would
+    otherwise write the same files at once); torch's global RNG is left as it was."""
+    with torch.random.fork_rng():
+        return tiny_qwen3(directory, **kwargs)
+
+
+def random_data(
+    rng: np.random.Generator,
+    lengths: Iterable[int],
+    inputs: Callable[[np.random.Generator, int], dict[str, np.ndarray]],
+) -> list:
+    """One datum per length: random tokens (vocab 128) shifted by one into the targets, then the
+    loss inputs `inputs(rng, n)` (drawn after the tokens, from the same `rng`)."""
+    from oneloop.backends.megatron_local.engines.base import DatumArrays
+
+    data = []
+    for n in lengths:
+        tokens = rng.integers(0, 128, n + 1)
+        data.append(DatumArrays(tokens[:-1], tokens[1:], inputs(rng, n)))
+    return data
+
+
+def ones(_rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    """Loss inputs of plain cross_entropy: every token weighs 1."""
+    return {"weights": np.ones(n, np.float32)}
+
+
+def make_engine(model: Path, spec, *, group: bool, **kwargs) -> tuple[Any, Callable[..., Any]]:
+    """The one-process engine, or (`group`) `megatron.group` with ranks on gloo; and `call`, which
+    runs an engine method by name on every rank (`call("_dump_grads", path)`)."""
+    if not group:
+        from oneloop.backends.megatron_local.engines.megatron.trainer import (
+            MegatronTrainerEngine,
+        )
+
+        engine = MegatronTrainerEngine(model, spec, **kwargs)
+
+        def call(method: str, *args):
+            return getattr(engine, method)(*args)
+
+        return engine, call
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+
+    engine = MegatronGroupEngine(model, spec, timeout_s=GROUP_TIMEOUT_S, **kwargs)
+    return engine, engine._call
+
+
+def all_gather_parts(grad: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every TP rank's shard of `grad`, in rank order (a collective)."""
+    parts = [torch.empty_like(grad) for _ in range(size)]
+    torch.distributed.all_gather(parts, grad.contiguous(), group=group)
+    return parts
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def megatron_core_installed() -> bool:
+    """Whether megatron-core imports here (the `megatron-cpu` dependency group that `uv sync`
+    installs by default; checked without importing it into the pytest process)."""
+    return importlib.util.find_spec("megatron") is not None and (
+        importlib.util.find_spec("megatron.core") is not None
+    )
+
+
+def run_phases(
+    script: str, work: Path, phases: Iterable[Sequence[str]], *, timeout: int = 900
+) -> None:
+    """Run `script` (a name in this folder, or a path) once per phase (its extra arguments) with
+    `--work work`, each in its own process: one torch.distributed world per process, and the CUDA
+    shims never reach the caller's. A failing phase raises."""
+    for phase in phases:
+        cmd = [sys.executable, str(HERE / script), *phase, "--work", str(work)]
+        subprocess.run(cmd, check=True, timeout=timeout)
+
+
+def run_phases_concurrently(
+    script: str, work: Path, phases: Iterable[Sequence[str]], *, timeout: int = 900
+) -> None:
+    """`run_phases` for phases that do not read each other's output: all at once, each in its own
+    process. Most of a phase's time is its imports, one core each: on CI's two cores, a
+    one-process phase beside another phase uses the core it would leave idle. A failing phase
+    raises (after the others are stopped)."""
+    cmds = [[sys.executable, str(HERE / script), *p, "--work", str(work)] for p in phases]
+    procs = [subprocess.Popen(cmd) for cmd in cmds]
+    try:
+        for proc, cmd in zip(procs, cmds, strict=True):
+            if proc.wait(timeout=timeout) != 0:
+                raise subprocess.CalledProcessError(proc.returncode, cmd)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def max_abs_diff(a: Mapping[str, Any], b: Mapping[str, Any], keys: Iterable[str]) -> float:
+    """max |a[k] - b[k]| over every element of every key."""
+    return max(float(np.abs(a[k] - b[k]).max()) for k in keys)
+
+
+def prefix_abs_diff_max(a: np.lib.npyio.NpzFile, b: np.lib.npyio.NpzFile, prefix: str) -> float:
+    """`max_abs_diff` over the arrays whose names start with `prefix` (both hold the same ones)."""
+    keys = [k for k in a.files if k.startswith(prefix)]
+    assert keys and sorted(keys) == sorted(k for k in b.files if k.startswith(prefix)), prefix
+    return max_abs_diff(a, b, keys)
+
+
+def grad_rel_diff_max(g1: np.lib.npyio.NpzFile, gn: np.lib.npyio.NpzFile) -> float:
+    """max over gradients of max |g1 - gn| / max |g1| (a gradient's scale sets its tolerance)."""
+    return max(float(np.abs(g1[k] - gn[k]).max() / (np.abs(g1[k]).max() + 1e-12)) for k in g1.files)
