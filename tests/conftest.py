@@ -53,7 +53,8 @@ class TrainScript:
             *overrides,
         ]
 
-    def run(self, run_dir, backend_dir, *overrides: str, timeout: float = 1200) -> None:
+    def run(self, run_dir, backend_dir, *overrides: str, timeout: float = 1200):
+        """Run the script to completion (exit 0 asserted); the CompletedProcess, output captured."""
         import subprocess
 
         done = subprocess.run(
@@ -64,6 +65,7 @@ class TrainScript:
             timeout=timeout,
         )
         assert done.returncode == 0, done.stderr[-4000:]
+        return done
 
     @staticmethod
     def rows(run_dir) -> list[dict]:

@@ -1,13 +1,12 @@
 """The generic SFT warm start: any chat-conversation JSONL with tool calls (`sft.data: <path>`).
 
 Unit tests of the reader's errors (each names the file, the line and the field), of the rendering
-(assistant turns weighted, laid out as the agent lays out a trajectory), of the config field, and
-one contract test: `scripts/train.py --config demo-cpu` with `sft.data` pointing at a file this test
-writes warm-starts from that file, not from the demo generator's demonstrations.
+(assistant turns weighted, laid out as the agent lays out a trajectory) and of the config field.
+The contract test (`scripts/train.py --config demo-cpu` with `sft.data` pointing at a file the test
+writes warm-starts from that file) is test_train_script.py's two-step run, which uses these helpers.
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -188,43 +187,3 @@ def test_sft_data_is_required_and_demo_needs_the_demo_tasks(tmp_path: Path) -> N
     # A user's file works with the user's own tasks.
     cfg = load_config("demo-cpu", [f"tasks.dir={tmp_path}", f"sft.data={tmp_path}/x.jsonl"])
     assert cfg.sft.data == tmp_path / "x.jsonl"
-
-
-CHEAP = [
-    "model.base_model=oneloop/tiny-qwen3",
-    "algo.max_steps=1",
-    "algo.groups_per_step=1",
-    "algo.group_size=2",
-    "algo.max_staleness=0",
-    "algo.filter_zero_variance=false",
-    "tasks.demo.n_train=2",
-    "tasks.demo.n_eval=1",
-    "sft.steps=2",
-    "sft.batch_size=2",
-    "agent.max_turns=1",
-    "agent.max_tokens_per_turn=8",
-    "eval=null",
-    "logging.console=false",
-    "logging.trajectories_per_step=0",
-]
-
-
-@pytest.mark.timeout(900)
-def test_train_script_warm_starts_from_the_given_file(tmp_path: Path, train_script) -> None:
-    records = [conversation(a, a + 1, string_arguments=a == 2) for a in (1, 2, 3, 4, 5)]
-    data = write_jsonl(tmp_path / "my-sft.jsonl", records)
-    run_dir = tmp_path / "run"
-    done = subprocess.run(
-        train_script.command(run_dir, tmp_path / "backend", *CHEAP, f"sft.data={data}"),
-        cwd=train_script.root,
-        capture_output=True,
-        text=True,
-        timeout=880,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert f"sft.data: 5 conversations from {data}" in done.stderr
-    sft = [row for row in train_script.rows(run_dir) if "sft/steps" in row]
-    # 5 conversations in the file; the demo generator would have given tasks.demo.n_train = 2.
-    assert [(row["sft/examples"], row["sft/steps"]) for row in sft] == [(5.0, 2.0)]
-    assert not (run_dir / "tasks" / "demonstrations.jsonl").exists()
-    assert [row["step"] for row in train_script.rows(run_dir) if "train/loss" in row] == [1]

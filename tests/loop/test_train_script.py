@@ -12,6 +12,7 @@ from oneloop.backends.capabilities import TINKER_SERVICE, local_capabilities
 from oneloop.errors import CapabilityError, ConfigError
 from oneloop.loop.config import load_config, preset_names
 from oneloop.loop.train import check_capabilities
+from tests.loop.test_sft_data import conversation, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -109,9 +110,19 @@ def test_unsupported_knob_stops_the_script_before_anything_starts(tmp_path, trai
 
 @pytest.mark.timeout(1500)
 def test_train_script_runs_two_steps(tmp_path, train_script):
+    """Two RL steps end to end, after a warm start from a conversation file the user wrote
+    (`sft.data: <path>`): the warm start reads that file, not the demo generator's (the demo path
+    runs in test_backend_parity)."""
+    records = [conversation(a, a + 1, string_arguments=a == 2) for a in (1, 2, 3, 4, 5)]
+    data = write_jsonl(tmp_path / "my-sft.jsonl", records)
     run_dir = tmp_path / "run"
-    train_script.run(run_dir, tmp_path / "backend", *SMALL, "sft.lr_schedule=linear",
-                     "sft.learning_rate=0.004")  # fmt: skip
+    done = train_script.run(run_dir, tmp_path / "backend", *SMALL, "sft.lr_schedule=linear",
+                            "sft.learning_rate=0.004", f"sft.data={data}")  # fmt: skip
+    assert f"sft.data: 5 conversations from {data}" in done.stderr
+    warm = [row for row in train_script.rows(run_dir) if "sft/steps" in row]
+    # 5 conversations in the file; the demo generator would have given tasks.demo.n_train = 4.
+    assert [(row["sft/examples"], row["sft/steps"]) for row in warm] == [(5.0, 2.0)]
+    assert not (run_dir / "tasks" / "demonstrations.jsonl").exists()
     steps = list(train_script.steps(run_dir).values())
     assert [x["step"] for x in steps] == [1, 2]
     assert all(x["staleness/violations"] == 0 for x in steps)

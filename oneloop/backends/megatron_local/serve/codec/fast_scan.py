@@ -27,7 +27,7 @@ Python per datum. `scan_forward_backward` reads the datums' bytes itself and mak
 Anything else (another form, a value the checks refuse, a malformed body) gives None, and the
 caller decodes the body on the reference path, which answers as it always did: the same
 `WireError` naming the field, or the same accepted request. So this path changes speed, never an
-answer (tests/backends/serve/test_serve_proto_scan.py checks it against the reference on random
+answer (tests/backends/serve/test_codec_fast_scan.py checks it against the reference on random
 and edge inputs). Little-endian hosts only, like the reference's `np.frombuffer` reads of the wire.
 """
 

@@ -12,7 +12,7 @@ same attributes directly: the objects are equal, field for field, to the public 
 They rely on the layout of tinker 0.38's types (pydantic models `EncodedTextChunk`,
 `ModelInput`; frozen dataclasses `TensorData`, `Datum`). `FAST` is True only when that layout
 is the one found at import; otherwise every builder calls the public constructor, which is
-slower but always right (tests/backends/serve/test_serve_proto_data.py checks both give equal
+slower but always right (tests/backends/serve/test_codec_reference_datums.py checks both give equal
 objects).
 """
 
