@@ -452,6 +452,7 @@ def _write_model(spec: TinyModelSpec, directory: Path) -> None:
 # Named variants the local backend resolves as base models (`model.base_model`).
 TINY_MODEL_128X4 = "oneloop/tiny-qwen3-128x4"
 TINY_MODEL_DEMO = "oneloop/tiny-qwen3-demo"
+TINY_MODEL_DEMO_GPU = "oneloop/tiny-qwen3-demo-gpu"
 
 
 def named_tiny_specs() -> dict[str, TinyModelSpec]:
@@ -469,5 +470,17 @@ def named_tiny_specs() -> dict[str, TinyModelSpec]:
         # larger share of what the model attends over.
         TINY_MODEL_DEMO: TinyModelSpec(
             hidden_size=128, num_layers=4, head_dim=32, intermediate_size=384, tool_list="compact"
+        ),
+        # The GPU demo's model (preset demo-gpu): Qwen3-0.6B's layer shape (width 1024, 16 query
+        # and 8 key/value heads of 128, SwiGLU 3072) at 8 layers, 127 M parameters, the demo's
+        # tokenizer and compact tool list; random init, warm-started by SFT on the GPU.
+        TINY_MODEL_DEMO_GPU: TinyModelSpec(
+            hidden_size=1024,
+            num_layers=8,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            tool_list="compact",
         ),
     }

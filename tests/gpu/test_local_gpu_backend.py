@@ -122,13 +122,17 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     figures["gap_after_sft"] = {"mean": float(gap.mean()), "max": float(gap.max())}
     record(name, figures)  # recorded as it goes: a later failure keeps these
 
-    # RL step on the sampled group (group-relative advantages of a made-up reward).
-    rewards = np.array([len(set(s.tokens)) for s in group.sequences], np.float32)
+    # RL step on the sampled group: group-relative advantages of a made-up reward that differs
+    # between samples (the share of even token ids; the count of distinct tokens was 64 for every
+    # sample of 64 random tokens, so every advantage was 0 and the step moved nothing).
+    rewards = np.array([np.mean(np.array(s.tokens) % 2 == 0) for s in group.sequences], np.float32)
     advantages = rewards - rewards.mean()
+    figures["rl_rewards"] = rewards.tolist()
+    assert np.ptp(rewards) > 0, rewards  # non-zero advantages
     data = []
     for seq, adv in zip(group.sequences, advantages, strict=True):
         full = prompt + list(seq.tokens)
-        n_prompt, n = len(prompt) - 1, len(full) - 1
+        n_prompt = len(prompt) - 1
         data.append(
             types.Datum(
                 model_input=types.ModelInput.from_ints(full[:-1]),
@@ -139,10 +143,24 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
                 },
             )
         )
+    sampled_nll = [  # the sampled tokens' NLL: the RL step must change it
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(seq.tokens),
+            },
+        )
+        for d, seq in zip(data, group.sequences, strict=True)
+    ]
+    before = trainer.forward(sampled_nll, "cross_entropy").result().metrics["loss:sum"]
     fwd = trainer.forward_backward(data, "importance_sampling")
     opt = trainer.optim_step(ADAM)
     figures["rl_loss"].append(fwd.result().metrics["loss:sum"])
     opt.result()
+    after_rl = trainer.forward(sampled_nll, "cross_entropy").result().metrics["loss:sum"]
+    figures["rl_step_nll_before_after"] = [before, after_rl]
+    assert figures["rl_loss"][-1] != 0.0 and after_rl != before  # the RL step moved the weights
 
     # In-flight sync while 16 long requests run: all finish with every token, no error.
     long_params = types.SamplingParams(max_tokens=768, temperature=1.0, seed=11)

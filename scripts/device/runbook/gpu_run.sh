@@ -7,6 +7,12 @@
 #   setup2    carry [".w2"]          vLLM (repacked, no flash-attn .so) + its missing deps
 #   setup3    carry [".w3", ".w4"]   Ray; tinker SDK + deps; random Qwen3 0.6B / 1.7B shapes
 #   setup_moe carry [".w5"]          optional: vLLM's MoE kernels (scripts/device/packers/prepare_moe_part.sh)
+#   setup_project carry [".wpN"]     oneloop's own locked dependencies the image lacks (Harbor, MCP,
+#                                    LiteLLM, ...), one folder per call: PART=1, PART=2, ...
+#                                    (scripts/device/packers/prepare_project_parts.py builds them)
+#   demo_gpu                         after setup_project: `oneloop train --config demo-gpu` (SFT warm
+#                                    start, async RL, held-out success before vs after), bounded by
+#                                    DEMO_TIMEOUT_S (560); DEMO_ARGS adds dotted overrides
 #   megatron                         megatron-vs-torch parity test, save/load test, MFU bench
 #   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
 #   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
@@ -71,6 +77,18 @@ case "$stage" in
   setup_moe)   # carry [".w5"] (scripts/device/packers/prepare_moe_part.sh): vLLM's MoE kernels
     xz -dc .w5/_moe_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
     python3 -c "import vllm._moe_C_stable_libtorch" 2>&1 | tail -1 ;;
+  setup_project)   # carry [".wp$PART"]: after setup3, one call per folder
+    pip_target ".wp${PART:?PART=1,2,... names the carried folder}"/*.whl
+    python3 -c "import harbor, mcp, litellm, oneloop.loop.train; print('oneloop runtime ready')" 2>&1 | tail -1 ;;
+  demo_gpu)
+    # shellcheck disable=SC2086
+    timeout --signal=INT --kill-after=20 "${DEMO_TIMEOUT_S:-560}" python3 -m oneloop.cli train \
+      --config demo-gpu --run-dir /tmp/runs/demo-gpu backend.run_dir=/tmp/runs/demo-gpu/backend \
+      ${DEMO_ARGS:-} > "$OUT/demo_gpu.log" 2>&1
+    echo "rc=$?"
+    cp /tmp/runs/demo-gpu/*.jsonl "$OUT/" 2>/dev/null
+    grep -vE "^\s*$" "$OUT/demo_gpu.log" | grep -E "eval|held-out|Error|error|rate" | tail -30
+    tail -25 "$OUT/demo_gpu.log" ;;
   megatron)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_train.py --model-dir /tmp/models 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
