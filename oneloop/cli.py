@@ -3,8 +3,8 @@
 Each subcommand lives in its own module (named below as `module:function`); this file only
 dispatches. `bench` is the one exception: the benchmarks live in the source tree's `benchmarks/`
 (they measure the code under development and are not part of the wheel), so `oneloop bench local`
-runs `benchmarks/bench_local.py` of the checkout this package was imported from, and says so
-when there is none (an installed wheel).
+runs `benchmarks/bench_local.py` (`oneloop bench sampling`: `bench_sampling.py`) of the checkout
+this package was imported from, and says so when there is none (an installed wheel).
 """
 
 import argparse
@@ -26,9 +26,19 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 """The checkout's benchmarks (absent from an installed wheel)."""
 
 
+BENCHES = ("local", "sampling")
+"""`oneloop bench NAME` runs `benchmarks/bench_NAME.py`."""
+
+
 def bench(argv: list[str]) -> int:
-    """`oneloop bench local [...]`: `benchmarks/bench_local.py` of this checkout."""
-    script = BENCHMARKS_DIR / "bench_local.py"
+    """`oneloop bench local|sampling [...]`: `benchmarks/bench_<name>.py` of this checkout
+    (`local` when no name is given)."""
+    name = argv[0] if argv and not argv[0].startswith("-") else "local"
+    if name not in BENCHES:
+        print(f"error: oneloop bench: expected one of {', '.join(BENCHES)}, got {name!r}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    script = BENCHMARKS_DIR / f"bench_{name}.py"
     if not script.is_file():
         print(
             f"error: oneloop bench needs the source tree's benchmarks/ ({script} not found); "

@@ -14,7 +14,10 @@ This module owns running a prompt group (n trials of one task) and the failure p
   call) → reward 0, tokens kept for training;
   `agent_timeout` → masked, and 2 or more in a group mask the whole group;
   `infra_error` (environment start, MCP connect, missing reward, any exception, a lost Ray task)
-  → retried with a fresh trial up to `max_infra_retries` times, then the whole group is masked.
+  → retried with a fresh trial up to `max_infra_retries` times, then the whole group is masked;
+  `mcp_server_crash` (a stdio MCP server that had connected exited nonzero during the trial: the
+  agent may have carried on without its tools) → an infrastructure failure of its own class,
+  counted apart and handled like `infra_error` (`TrialOutcome.infra`).
 
 Contract with the agent (`AgentContext.metadata`, all optional): `METADATA_OUTCOME` (a string;
 `TRUNCATION_OUTCOMES` count as truncated), `METADATA_TRAJECTORY` (the TITO trajectory as a JSON
@@ -61,6 +64,12 @@ class TrialOutcome(StrEnum):
     TRUNCATED = "truncated"
     AGENT_TIMEOUT = "agent_timeout"
     INFRA_ERROR = "infra_error"
+    MCP_SERVER_CRASH = "mcp_server_crash"
+
+    @property
+    def infra(self) -> bool:
+        """An infrastructure failure: retried with a fresh trial, then it masks the group."""
+        return self in (TrialOutcome.INFRA_ERROR, TrialOutcome.MCP_SERVER_CRASH)
 
 
 class MaskReason(StrEnum):
@@ -100,7 +109,7 @@ class TrajectoryResult:
 
     @property
     def masked(self) -> bool:
-        return self.outcome in (TrialOutcome.AGENT_TIMEOUT, TrialOutcome.INFRA_ERROR)
+        return self.outcome is TrialOutcome.AGENT_TIMEOUT or self.outcome.infra
 
 
 @dataclass(frozen=True)
@@ -194,7 +203,8 @@ def classify(
     """(outcome, reward, error) of one Harbor `TrialResult` under this module's policy.
 
     `trial_dir` (Harbor's directory of this trial) lets a stdio MCP server that crashed
-    mid-trial count as an infra error even when the agent carried on without its tools.
+    mid-trial count as `mcp_server_crash` even when the agent carried on without its tools (one
+    that never came up fails the agent's connect: an exception, so `infra_error`).
     """
     metadata = (harbor_result.agent_result.metadata or {}) if harbor_result.agent_result else {}
     info = harbor_result.exception_info
@@ -205,9 +215,8 @@ def classify(
         return TrialOutcome.INFRA_ERROR, None, error
     crashed = _crashed_stdio_servers(trial_dir)
     if crashed:
-        return TrialOutcome.INFRA_ERROR, None, "MCP stdio server exited mid-trial: " + "; ".join(
-            crashed
-        )
+        error = "MCP stdio server exited mid-trial: " + "; ".join(crashed)
+        return TrialOutcome.MCP_SERVER_CRASH, None, error
     if metadata.get(METADATA_OUTCOME) in INFRA_OUTCOMES:
         return TrialOutcome.INFRA_ERROR, None, f"agent reported {metadata[METADATA_OUTCOME]}"
     if metadata.get(METADATA_OUTCOME) in TRUNCATION_OUTCOMES:
@@ -434,7 +443,7 @@ class TrialRunner:
         errors: list[str] = []
         for attempt in range(1, self.cfg.max_infra_retries + 2):
             result = await self._attempt(task, sampling_client, extra_kwargs)
-            if result.outcome is not TrialOutcome.INFRA_ERROR:
+            if not result.outcome.infra:
                 break
             if attempt <= self.cfg.max_infra_retries:
                 self._counts["trials/retries"] += 1
@@ -476,7 +485,7 @@ class TrialRunner:
         )
         outcomes = Counter(r.outcome for r in results)
         mask_reason = None
-        if outcomes[TrialOutcome.INFRA_ERROR]:
+        if any(outcome.infra for outcome in outcomes):
             mask_reason = MaskReason.INFRA
         elif outcomes[TrialOutcome.AGENT_TIMEOUT] >= self.cfg.agent_timeouts_to_mask_group:
             mask_reason = MaskReason.AGENT_TIMEOUTS

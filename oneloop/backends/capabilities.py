@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from oneloop.errors import CapabilityError
 
 # Tinker's built-in losses that both backends implement with the same (sum) definitions.
-BUILTIN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
+BUILTIN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"})
+# SDK 0.38's built-ins that only the Tinker service computes: its objective is not published, so
+# the local backend refuses it with the reason (`megatron_local.losses.UNSUPPORTED_BUILTINS`).
+SERVICE_ONLY_LOSSES = frozenset({"stable_reinforce"})
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def local_capabilities(
 # documents. `tinker_remote` narrows `models` from the server's own answer.
 TINKER_SERVICE = Capabilities(
     backend="tinker",
-    losses=BUILTIN_LOSSES,
+    losses=BUILTIN_LOSSES | SERVICE_ONLY_LOSSES,
     sampler_kinds=frozenset({"snapshot", "inflight"}),
     lora=True,
     full_finetune=False,

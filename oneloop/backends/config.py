@@ -4,8 +4,9 @@ Validated when parsed (pydantic, unknown keys rejected); errors name the dotted 
 A sub-config is only read by its backend: `local` by `megatron_local`, `tinker` by `tinker_remote`.
 """
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -220,3 +221,63 @@ def parse_backend_config(raw: dict, prefix: str = "backend") -> BackendConfig:
         return BackendConfig.model_validate(raw)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, prefix)) from None
+
+
+BACKEND_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def read_backend_file(path: Path, flag: str = "--backend-config") -> dict[str, Any]:
+    """The backend section in a YAML or JSON file, as a mapping: either the section itself
+    (`backend: local`, `models: ...`, `local: ...`) or a file wrapped in `backend:` (the section
+    as it appears in a full oneloop config). Every failure is one ConfigError line naming the
+    file: a suffix other than .yaml/.yml/.json, a missing or unreadable file, a parse error, or a
+    top level that is not a mapping."""
+    where = f"{flag} {path}"
+    if path.suffix.lower() not in BACKEND_FILE_SUFFIXES:
+        raise ConfigError(f"{where}: expected a .yaml, .yml or .json file (the backend section)")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise ConfigError(f"{where}: cannot read it ({reason})") from None
+    try:
+        if path.suffix.lower() == ".json":
+            raw = json.loads(text)
+        else:
+            import yaml
+
+            raw = yaml.safe_load(text)
+    except ValueError as error:  # json.JSONDecodeError
+        raise ConfigError(f"{where}: not valid JSON ({error})") from None
+    except Exception as error:  # yaml.YAMLError
+        first = " ".join(str(error).split())
+        raise ConfigError(f"{where}: not valid YAML ({first})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping (the backend section), got "
+                          f"{type(raw).__name__}")
+    if isinstance(raw.get("backend"), dict):  # wrapped: `backend: {backend: local, ...}`
+        if len(raw) > 1:
+            others = ", ".join(sorted(str(k) for k in raw if k != "backend"))
+            raise ConfigError(f"{where}: a file wrapped in `backend:` holds nothing else "
+                              f"(also found: {others})")
+        raw = raw["backend"]
+    return raw
+
+
+def check_model_dirs(config: BackendConfig, prefix: str = "backend") -> None:
+    """Every `models:` entry of the local backend is a Hugging Face model directory (has a
+    config.json); else one ConfigError line naming the field and the path. Checked at startup,
+    so a typo is not first met as a client's "Repo id must be in the form..." error."""
+    if config.backend != "local":
+        return
+    for name, path in config.models.items():
+        field = f"{prefix}.models.{name}"
+        if not path.is_dir():
+            raise ConfigError(f"{field}: {path} is not a directory (expected a local Hugging "
+                              "Face model directory)")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{field}: {path} has no config.json (expected a local Hugging "
+                              "Face model directory)")

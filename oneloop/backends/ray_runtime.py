@@ -1,14 +1,30 @@
-"""Starting the local Ray runtime, with a bounded retry of one known transient failure.
+"""Starting the local Ray runtime: loopback only, and a bounded retry of one transient failure.
 
-Ray waits a fixed 30 s for a fresh raylet to register with its GCS (`ray/_private/node.py`) and
-then gives up with "The current node timed out during startup". On an overloaded host (measured:
-a 2-core machine at load 20+) that is a slow start, not a broken install; the half-started
-processes are shut down and Ray is started again, at most `attempts` times. Any other error, and
-the last attempt's, is raised as Ray raised it.
+Loopback. A runtime this process starts (no `address`, no `RAY_ADDRESS`) is a single-node one,
+and every port it opens (GCS, raylet, object manager, core-worker gRPC servers, the runtime-env
+agent) listens on 127.0.0.1 only: nothing of it is reachable from the network, whatever address
+`oneloop serve` binds. Ray 2.x binds those servers to its node IP (all interfaces for the gRPC
+servers) and turns an explicit `_node_ip_address="127.0.0.1"` back into the host's outward IP
+(`services.resolve_ip_for_localhost`); the one switch it honours is the one it uses on macOS and
+Windows, `ray_constants.ENABLE_RAY_CLUSTER` (env `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`, read when
+Ray is imported): off, the node IP is loopback and every server binds it. It is turned off for
+the `ray.init` call only (the driver's node IP is then fixed) and put back after, so a later
+connection to a real cluster resolves its address as usual. Checked by
+`tests/backends/serve/test_serve_process.py` from the runtime's listening sockets. A multi-node
+cluster (`local.ray_address`) is the cluster's own: its ports listen on each node's IP.
+
+Slow starts. Ray waits a fixed 30 s for a fresh raylet to register with its GCS
+(`ray/_private/node.py`) and then gives up with "The current node timed out during startup". On
+an overloaded host (measured: a 2-core machine at load 20+) that is a slow start, not a broken
+install; the half-started processes are shut down and Ray is started again, at most `attempts`
+times. Any other error, and the last attempt's, is raised as Ray raised it.
 """
 
+import contextlib
 import logging
+import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -16,19 +32,47 @@ import ray
 log = logging.getLogger(__name__)
 
 SLOW_START = "timed out during startup"
+LOOPBACK_ADDRESSES = ("127.0.0.1", "::1")
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Ray's local-only node mode for the duration of one `ray.init` (see the module docstring).
+    `ray._private.ray_constants` is pinned with Ray in uv.lock; the test above fails if a Ray
+    upgrade stops honouring it."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def starts_local_runtime(kwargs: dict[str, Any]) -> bool:
+    """Whether `ray.init(**kwargs)` starts a new single-node runtime (rather than joining one)."""
+    return kwargs.get("address") is None and not os.environ.get("RAY_ADDRESS")
 
 
 def init_ray(attempts: int = 3, **kwargs: Any) -> None:
     """`ray.init(**kwargs)` unless Ray is already up; see the module docstring."""
     if ray.is_initialized():
         return
+    local = starts_local_runtime(kwargs)
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(**kwargs)
-            return
+            with _loopback_node() if local else contextlib.nullcontext():
+                ray.init(**kwargs)
+            break
         except Exception as error:
             if SLOW_START not in str(error) or attempt == attempts:
                 raise
             log.warning("Ray start %d/%d timed out (host overloaded?); retrying", attempt, attempts)
             ray.shutdown()
             time.sleep(2.0 * attempt)
+    if local:
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip not in LOOPBACK_ADDRESSES:
+            log.warning("the local Ray runtime's node IP is %s, not loopback: its ports may be "
+                        "reachable from the network", node_ip)

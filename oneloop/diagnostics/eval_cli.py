@@ -12,6 +12,9 @@ trial runner at `--concurrency`. Outputs in the run directory:
                          MCP servers, repairs, turns/tokens, time split
     plots/*.png          outcomes, tools, categories, time
     trials/              Harbor's own trial directories
+
+SIGTERM or SIGINT stops it cleanly (`oneloop.loop.signals`): trials are abandoned, the backend
+and Ray are shut down, no report is written, and the exit status is 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 from oneloop.backends.ray_runtime import init_ray
 from oneloop.diagnostics.records import DEFAULT_ERROR_PATTERNS
 from oneloop.errors import ConfigError
+from oneloop.loop.signals import Stopped, reclaim_signals, run_stoppable
 
 SAMPLER_TIMEOUT_S = 600.0  # creating a sampling client may load weights
 
@@ -135,10 +139,15 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config, overrides)
         options = options_from(args, cfg.rollout.max_concurrency)
-        summary = asyncio.run(run_eval(cfg, options))
+        summary = run_stoppable(
+            run_eval(cfg, options), "oneloop eval", "trials are abandoned, no report is written"
+        )
     except ConfigError as error:  # bad flags or config, or the environment preflight
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Stopped as stop:
+        print(f"oneloop eval: {stop}; no report written", file=sys.stderr)
+        return stop.exit_status
     scores = summary["scores"]
     k = options.samples_per_task
     print(
@@ -201,6 +210,7 @@ async def run_eval(cfg: Any, options: EvalOptions) -> dict[str, Any]:
         raise ConfigError(f"--split {options.split}: the config's tasks have no such tasks")
     service = connect(cfg.backend)
     init_ray(include_dashboard=False, configure_logging=False)  # tinker: Ray runs the trials
+    reclaim_signals()  # ray.init replaced the SIGTERM handler with one that aborts the driver
     status = "errored"
     try:
         base_model = options.base_model or cfg.model.base_model

@@ -121,8 +121,8 @@ def build_record(
         calls.append(dict(call) | {"failed": failure is not None, "failure": failure})
     segments = _segments(trajectory, decode)
     digests = [s.get("digest") for s in (trajectory or {}).get("segments") or [] if s.get("digest")]
-    masked = outcome in (TrialOutcome.AGENT_TIMEOUT, TrialOutcome.INFRA_ERROR)
-    infra = (attempts - 1) + (1 if outcome == TrialOutcome.INFRA_ERROR else 0)
+    masked = outcome == TrialOutcome.AGENT_TIMEOUT or TrialOutcome(outcome).infra
+    infra = (attempts - 1) + (1 if TrialOutcome(outcome).infra else 0)
     return {
         "task": Path(task).name,
         "task_path": str(task),

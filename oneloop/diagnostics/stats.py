@@ -84,7 +84,7 @@ def outcomes(records: Sequence[Record]) -> dict[str, Any]:
     errors: Counter[str] = Counter()
     for record in records:
         texts = list(record.get("attempt_errors") or [])
-        if record["outcome"] == TrialOutcome.INFRA_ERROR and record.get("error"):
+        if TrialOutcome(record["outcome"]).infra and record.get("error"):
             texts.append(record["error"])
         errors.update(_error_class(text) for text in texts)
     return {

@@ -1,15 +1,23 @@
 """The loop's commands: `oneloop train` / `scripts/train.py` (config file + dotted overrides +
-backend switch) and `oneloop demo` (the CPU demo preset, with its before/after report)."""
+backend switch) and `oneloop demo` (the CPU demo preset, with its before/after report).
+
+Exit status: 0 done; 1 the run stopped itself (`algo.max_zero_variance_in_a_row`) or failed;
+2 a bad config; 128 + signal number after SIGTERM (143) or SIGINT (130), which stop the run
+cleanly (see `oneloop.loop.signals`): the step in progress is abandoned, `--resume` redoes it.
+"""
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from oneloop.errors import ConfigError
 from oneloop.loop.config import load_config
+from oneloop.loop.signals import Stopped, run_stoppable
+
+TRAIN_STOP_NOTE = "the step in progress is abandoned; --resume continues from the last checkpoint"
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -46,15 +54,32 @@ def main(argv: list[str]) -> int:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from oneloop.loop.rollouts import NoTrainableGroupsError
     from oneloop.loop.train import train
 
     try:  # a knob the backend cannot honour fails in setup, before SFT or RL start
-        summary = asyncio.run(train(cfg, resume=args.resume))
+        summary = run_stoppable(train(cfg, resume=args.resume), "oneloop train", TRAIN_STOP_NOTE)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    except NoTrainableGroupsError as error:
+        print(f"stopped: {error}", file=sys.stderr)
+        return 1
+    except Stopped as stop:
+        print(f"oneloop train: {stop}; {resume_hint(cfg.run_dir)}", file=sys.stderr)
+        return stop.exit_status
     print({k: round(v, 4) for k, v in summary.items() if k.startswith(("eval", "rollout/reward"))})
     return 0
+
+
+def resume_hint(run_dir: Path) -> str:
+    """Where a stopped run resumes from (its last checkpoints.jsonl line)."""
+    from oneloop.loop.checkpoints import last_checkpoint
+
+    state = last_checkpoint(run_dir)
+    if state is None:
+        return "no checkpoint yet: --resume starts the run over"
+    return f"--resume continues after step {state.step} ({run_dir / 'checkpoints.jsonl'})"
 
 
 def demo(argv: list[str]) -> int:
@@ -83,7 +108,11 @@ def demo(argv: list[str]) -> int:
     from oneloop.loop.train import train
 
     started = time.time()
-    summary = asyncio.run(train(cfg))
+    try:
+        summary = run_stoppable(train(cfg), "oneloop demo", TRAIN_STOP_NOTE)
+    except Stopped as stop:
+        print(f"oneloop demo: {stop}; {resume_hint(cfg.run_dir)}", file=sys.stderr)
+        return stop.exit_status
     before = summary.get("eval_before/success_rate", float("nan"))
     after = summary.get("eval_after/success_rate", float("nan"))
     print(json.dumps({k: round(v, 4) for k, v in sorted(summary.items())}, indent=1))

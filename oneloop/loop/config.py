@@ -129,6 +129,10 @@ class AlgoConfig(_Strict):
     """Divide group advantages by the group's reward std."""
     filter_zero_variance: bool = True
     """Drop groups whose rewards are all equal (no signal); counted."""
+    max_zero_variance_in_a_row: int | None = Field(default=64, ge=1)
+    """Stop the run, with the counts and the advice to run `oneloop eval` first, when this many
+    groups in a row are dropped for zero reward variance with none accepted between them (a
+    policy that solves all or none of its tasks trains nothing); null = never (count)."""
     learning_rate: float = Field(default=1e-6, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
@@ -183,7 +187,10 @@ class TimeoutsConfig(_Strict):
 
 class LoggingConfig(_Strict):
     console: bool = True
-    """Print one progress line per step."""
+    """Print one progress line per step (and the wait lines below; off: they go to the log)."""
+    wait_progress_s: float = Field(default=30.0, gt=0)
+    """While a step waits for its rollout groups, report progress this often: groups finished,
+    dropped for zero variance, masked, in flight, time waited (seconds)."""
     wandb: dict[str, Any] | None = None
     """Weights & Biases init kwargs (project, name, ...); None = off."""
     tensorboard: bool = False

@@ -6,22 +6,36 @@ score it → hand it to the consumer or drop it (masked, zero variance), always 
 A group that times out or fails is cancelled, its task re-queued, and the event counted; a dead
 producer re-raises in the consumer (`take` checks the tasks). The loop publishes each new
 sampling client with `publish`; groups start on the newest one.
+
+No silent waits. While `take` waits it reports a `WaitProgress` (groups finished, dropped for
+zero variance, masked, in flight, seconds waited) every `progress_every_s`. A policy that solves
+all or none of its tasks gives groups with no reward variance, which are dropped and never reach
+the trainer; after `max_zero_variance_in_a_row` such groups with none accepted between them the
+pool stops the run with `NoTrainableGroupsError` (the counts, and what to check first).
 """
 
 import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from oneloop.agents.tito import Trajectory
 from oneloop.agents.trials import GroupResult, TrialRunner
+from oneloop.errors import OneloopError
 from oneloop.loop.advantages import ScoredGroup, has_variance
 from oneloop.loop.data import TaskItem, TaskSource, sample_seed
 from oneloop.loop.staleness import StalenessGate
 
 log = logging.getLogger(__name__)
+
+WARN_DROPPED_FRACTION = 0.75
+"""A wait's progress report warns when more than this share of the groups finished during it were
+dropped for zero variance (at least `WARN_MIN_GROUPS` of them): sampling then costs over 4× what
+the trainer consumes, and a share that stays this high usually ends at the stop bound."""
+WARN_MIN_GROUPS = 4
 
 
 @dataclass
@@ -34,6 +48,33 @@ class RolloutStats:
     llm_sec: float = 0.0
     env_sec: float = 0.0
     sampled_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WaitProgress:
+    """Where the consumer's wait for a step's groups stands (`RolloutPool.take`'s report).
+    `finished`, `accepted`, `zero_variance` and `masked` count groups since the wait began;
+    `zero_variance_in_a_row` counts dropped groups since the last accepted one (any wait)."""
+
+    waited_s: float
+    ready: int
+    """Groups taken so far of the `wanted`."""
+    wanted: int
+    finished: int
+    accepted: int
+    zero_variance: int
+    masked: int
+    in_flight: int
+    zero_variance_in_a_row: int
+
+    @property
+    def dropped_fraction(self) -> float:
+        """Share of the groups finished since the wait began dropped for zero variance."""
+        return self.zero_variance / self.finished if self.finished else 0.0
+
+
+class NoTrainableGroupsError(OneloopError, RuntimeError):
+    """Too many rollout groups in a row had no reward variance: nothing reaches the trainer."""
 
 
 class RolloutPool:
@@ -51,7 +92,10 @@ class RolloutPool:
         group_timeout_s: float,
         seed: int,
         max_failures_in_a_row: int = 20,
+        max_zero_variance_in_a_row: int | None = None,
     ) -> None:
+        """`max_zero_variance_in_a_row`: stop after this many groups in a row are dropped for
+        zero reward variance (`algo.max_zero_variance_in_a_row`); None = never."""
         self.runner = runner
         self.source = source
         self.gate = gate
@@ -67,6 +111,12 @@ class RolloutPool:
         self._published = asyncio.Event()
         self.failures_in_a_row = 0
         self.max_failures_in_a_row = max_failures_in_a_row
+        self.zero_variance_in_a_row = 0
+        self.max_zero_variance_in_a_row = max_zero_variance_in_a_row
+        self._verdict: NoTrainableGroupsError | None = None  # the bound's, once reached
+        self.totals: Counter[str] = Counter()
+        """Groups over the whole run: finished, accepted, zero_variance, masked (never reset)."""
+        self._started = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._produce(), name=f"rollout-producer-{i}")
             for i in range(producers)
@@ -77,28 +127,65 @@ class RolloutPool:
         self._client, self._version = client, version
         self._published.set()
 
-    async def take(self, n: int, timeout: float) -> list[ScoredGroup]:
-        """The next `n` accepted groups in finish order; re-raises a dead producer's error."""
+    async def take(
+        self,
+        n: int,
+        timeout: float,
+        *,
+        report: Callable[[WaitProgress], None] | None = None,
+        progress_every_s: float = 30.0,
+    ) -> list[ScoredGroup]:
+        """The next `n` accepted groups in finish order; re-raises a dead producer's error.
+        While it waits, `report` gets a `WaitProgress` every `progress_every_s` seconds."""
         groups: list[ScoredGroup] = []
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        next_report = started + progress_every_s
+        at_start = self.totals.copy()
         while len(groups) < n:
             self._check_producers()
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if report is not None and now >= next_report:
+                report(self.progress(now - started, len(groups), n, at_start))
+                next_report = now + progress_every_s
+            remaining = deadline - now
             if remaining <= 0:
+                got = self.progress(now - started, len(groups), n, at_start)
                 raise TimeoutError(
                     f"waited {timeout:.0f}s for {n} rollout groups, got {len(groups)} "
-                    "(timeouts.wait_for_rollouts_s)"
+                    f"(timeouts.wait_for_rollouts_s); meanwhile {describe(got)}"
                 )
+            poll = min(remaining, 5.0, max(next_report - now, 0.01) if report else 5.0)
             try:
-                groups.append(await asyncio.wait_for(self.ready.get(), min(remaining, 5.0)))
+                groups.append(await asyncio.wait_for(self.ready.get(), poll))
             except TimeoutError:
                 continue
         return groups
 
+    def progress(
+        self, waited_s: float, ready: int, wanted: int, since: Counter[str]
+    ) -> WaitProgress:
+        """The counts since `since` (a copy of `totals` taken when the wait began)."""
+        delta = self.totals - since
+        return WaitProgress(
+            waited_s=waited_s,
+            ready=ready,
+            wanted=wanted,
+            finished=delta["finished"],
+            accepted=delta["accepted"],
+            zero_variance=delta["zero_variance"],
+            masked=delta["masked"],
+            in_flight=self.in_flight,
+            zero_variance_in_a_row=self.zero_variance_in_a_row,
+        )
+
     def _check_producers(self) -> None:
         for task in self._tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
-                raise RuntimeError(f"{task.get_name()} died") from task.exception()
+                error = task.exception()
+                if isinstance(error, NoTrainableGroupsError):
+                    raise error  # the run's verdict, not a crash: its message says it all
+                raise RuntimeError(f"{task.get_name()} died") from error
 
     async def close(self, timeout: float = 30.0) -> None:
         """Cancel producers (in-flight groups are abandoned: their tasks are re-run on resume)."""
@@ -138,6 +225,27 @@ class RolloutPool:
                 f"{self.failures_in_a_row} rollout groups in a row were masked "
                 f"({result.mask_reason}); last error: {errors[-1] if errors else 'none recorded'}"
             )
+
+    def _note_zero_variance(self) -> None:
+        """A policy that solves all or none of its tasks trains nothing: stop, don't wait."""
+        self.zero_variance_in_a_row += 1
+        bound = self.max_zero_variance_in_a_row
+        if self._verdict is not None:  # every producer stops with the first verdict
+            raise self._verdict
+        if bound is None or self.zero_variance_in_a_row < bound:
+            return
+        totals = self.totals
+        self._verdict = NoTrainableGroupsError(
+            f"algo.max_zero_variance_in_a_row: {self.zero_variance_in_a_row} rollout groups in a "
+            "row were dropped because every trial of the group got the same reward (no "
+            f"variance, no advantage to train on); in {time.monotonic() - self._started:.0f} s "
+            f"{totals['finished']} groups finished: {totals['zero_variance']} dropped for zero "
+            f"variance, {totals['accepted']} accepted, {totals['masked']} masked; "
+            f"{self.in_flight} in flight. The policy solves all or none of these tasks: run "
+            "`oneloop eval` on them first (Pass@k per task), then adjust the tasks, the "
+            "warm start (sft) or agent.temperature; or raise the bound"
+        )
+        raise self._verdict
 
     # -- one producer ----------------------------------------------------------------------------
 
@@ -185,12 +293,14 @@ class RolloutPool:
     def _accept_or_drop(self, item: TaskItem, result: GroupResult, version: int) -> None:
         stats = self.stats
         stats.counts["groups_finished"] += 1
+        self.totals["finished"] += 1
         for trial in result.results:
             stats.outcomes[str(trial.outcome)] += 1
             stats.llm_sec += trial.timings.llm_sec
             stats.env_sec += trial.timings.env_start_sec + trial.timings.verifier_sec
         if result.masked:
             stats.counts[f"groups_masked_{result.mask_reason}"] += 1
+            self.totals["masked"] += 1
             self._requeue(item)
             self.gate.finish(accepted=False, version=version)
             self._note_failure(result)
@@ -204,11 +314,49 @@ class RolloutPool:
         trajectories = tuple(Trajectory.from_json(r.trajectory) for r in kept)
         if len(kept) < 2 or (self.filter_zero_variance and not has_variance(rewards)):
             stats.counts["groups_zero_variance"] += 1
+            self.totals["zero_variance"] += 1
             self.source.mark_consumed([item.sample_id])  # seen, no signal: never re-run
             self.gate.finish(accepted=False, version=version)
+            self._note_zero_variance()
             return
+        self.totals["accepted"] += 1
+        self.zero_variance_in_a_row = 0
         stats.sampled_tokens += sum(t.num_sampled_tokens for t in trajectories)
         self.gate.finish(accepted=True, version=version)
         self.ready.put_nowait(
             ScoredGroup(item.sample_id, result.task, version, trajectories, tuple(rewards))
+        )
+
+
+def describe(progress: WaitProgress) -> str:
+    """`progress` as the words of a console line."""
+    return (
+        f"{progress.finished} groups finished ({progress.zero_variance} dropped for zero "
+        f"variance, {progress.masked} masked, {progress.accepted} accepted), "
+        f"{progress.in_flight} in flight"
+    )
+
+
+def report_wait(step: int, progress: WaitProgress, console: bool, bound: int | None) -> None:
+    """The loop's `take` report: a progress line while step `step` waits for its groups (stdout
+    when `console`, else the log), and a warning while most finished groups are dropped for zero
+    variance (`bound`: `algo.max_zero_variance_in_a_row`)."""
+    line = (
+        f"step {step} waiting {progress.waited_s:.0f}s for groups: {progress.ready}/"
+        f"{progress.wanted} ready; {describe(progress)}"
+    )
+    if console:
+        print(line, flush=True)
+    else:
+        log.info(line)
+    if progress.finished >= WARN_MIN_GROUPS and progress.dropped_fraction > WARN_DROPPED_FRACTION:
+        log.warning(
+            "%d of the %d groups finished while step %d waits were dropped for zero reward "
+            "variance (the policy solves all or none of them); %d in a row so far, the run stops "
+            "at %s (algo.max_zero_variance_in_a_row); check the policy with `oneloop eval`",
+            progress.zero_variance,
+            progress.finished,
+            step,
+            progress.zero_variance_in_a_row,
+            bound if bound is not None else "no bound",
         )

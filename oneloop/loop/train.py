@@ -5,8 +5,14 @@ or resumed) → SFT warm start → held-out eval → RL steps (take B groups →
 forward_backward + optim_step submitted back to back → publish new weights → log → checkpoint) →
 held-out eval → plots.
 Rollouts run concurrently in `RolloutPool` under the staleness gate; the trainer only waits when no
-B groups are ready (`time/wait_for_rollouts`). Departure from textbook GRPO: groups are trained in
-finish order, sorted by sample id within a step so a step's batch does not depend on timing.
+B groups are ready (`time/wait_for_rollouts`); while it waits it prints progress every
+`logging.wait_progress_s` and warns when most finished groups are dropped for zero variance.
+Departure from textbook GRPO: groups are trained in finish order, sorted by sample id within a
+step so a step's batch does not depend on timing.
+
+Stopping: run under `oneloop.loop.signals.run_stoppable` (the CLI does), SIGTERM/SIGINT cancel the
+run at its next await; a checkpoint is never cut (`deferred_stop`), so the step in progress is
+either checkpointed or abandoned, and `--resume` redoes it.
 """
 
 import asyncio
@@ -38,16 +44,21 @@ from oneloop.loop.config import TrainConfig
 from oneloop.loop.data import TaskSource
 from oneloop.loop.metrics import BackendCounters, MetricsLogger, truncate_after
 from oneloop.loop.plots import write_plots
-from oneloop.loop.rollouts import RolloutPool
+from oneloop.loop.rollouts import RolloutPool, report_wait
 from oneloop.loop.sft import (
     Conversation,
     read_conversations,
     render_conversations,
     sft_warm_start,
 )
+from oneloop.loop.signals import deferred_stop, reclaim_signals
 from oneloop.loop.staleness import StalenessGate
 
 log = logging.getLogger(__name__)
+
+STEP_FILES = ("metrics.jsonl", "logprob_gaps.jsonl", "trajectories.jsonl")
+"""Per-step JSONL outputs (each line has its step); a resume cuts the steps after its checkpoint,
+which it redoes."""
 
 
 @dataclass
@@ -147,6 +158,7 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
         log.info("sft.data: %d conversations from %s", len(sft_data), path)
     service = connect(cfg.backend)
     init_ray(include_dashboard=False, configure_logging=False)  # tinker: Ray runs the trials
+    reclaim_signals()  # ray.init replaced the SIGTERM handler with one that aborts the driver
     if previous is not None:
         trainer = await asyncio.wait_for(
             service.create_training_client_from_state_with_optimizer(previous.trainer_path),
@@ -164,8 +176,9 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
             cfg.timeouts.sync_s,
         )
         state = LoopState(step=0, trainer_path="", cursor=0, sft_done=cfg.sft is None)
-    if resume:
-        truncate_after(cfg.run_dir / "metrics.jsonl", state.step)
+    if resume:  # no checkpoint yet: the run starts over, its step-0 line (SFT, eval) included
+        for name in STEP_FILES:
+            truncate_after(cfg.run_dir / name, state.step if previous is not None else -1)
     logger = MetricsLogger(
         cfg.run_dir,
         console=cfg.logging.console,
@@ -365,6 +378,7 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
         filter_zero_variance=algo.filter_zero_variance,
         group_timeout_s=cfg.timeouts.group_s,
         seed=algo.seed,
+        max_zero_variance_in_a_row=algo.max_zero_variance_in_a_row,
     )
     pool.publish(sampler, run.state.step)
     backend = BackendCounters(run.service)  # backend/... events (e.g. sampler restarts)
@@ -372,7 +386,14 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
     try:
         for step in range(run.state.step, algo.max_steps):
             started = time.monotonic()
-            groups = await pool.take(algo.groups_per_step, cfg.timeouts.wait_for_rollouts_s)
+            groups = await pool.take(
+                algo.groups_per_step,
+                cfg.timeouts.wait_for_rollouts_s,
+                report=lambda progress, step=step: report_wait(
+                    step + 1, progress, cfg.logging.console, algo.max_zero_variance_in_a_row
+                ),
+                progress_every_s=cfg.logging.wait_progress_s,
+            )
             waited = time.monotonic() - started
             staleness = gate.consume(len(groups), [g.version for g in groups])
             metrics = await train_step(run, sorted(groups, key=lambda g: g.sample_id), step + 1)
@@ -444,18 +465,20 @@ async def publish(run: Run) -> Any:
 
 
 async def checkpoint(run: Run, step: int, source: TaskSource) -> None:
-    saved = await asyncio.wait_for(
-        run.trainer.save_state(f"step-{step:06d}", overwrite=True), run.cfg.timeouts.sync_s
-    )
-    run.state = LoopState(
-        step=step,
-        trainer_path=saved.path,
-        cursor=source.cursor,
-        consumed=sorted(source.consumed),
-        sft_done=run.state.sft_done,
-        eval_before=run.state.eval_before,
-    )
-    append_checkpoint(run.cfg.run_dir, run.state)
+    """Trainer state, then its checkpoints.jsonl line; a stop signal waits for both."""
+    with deferred_stop():
+        saved = await asyncio.wait_for(
+            run.trainer.save_state(f"step-{step:06d}", overwrite=True), run.cfg.timeouts.sync_s
+        )
+        run.state = LoopState(
+            step=step,
+            trainer_path=saved.path,
+            cursor=source.cursor,
+            consumed=sorted(source.consumed),
+            sft_done=run.state.sft_done,
+            eval_before=run.state.eval_before,
+        )
+        append_checkpoint(run.cfg.run_dir, run.state)
     write_plots(run.cfg.run_dir)
 
 

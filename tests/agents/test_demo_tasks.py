@@ -155,6 +155,19 @@ def test_mcp_server_fault_knobs(tmp_path: Path) -> None:
             # the client closed normally left no record.
             (record,) = env.trial_paths.agent_dir.glob(f"{STDIO_EXIT_PREFIX}*.txt")
             assert record.read_text().startswith(f"{CRASH_EXIT_CODE} ")
+            record.unlink()
+            # Replies 1 and 2 are initialize and tools/list, 3 answers the first tool call; then
+            # the process is gone and the next call gets no answer.
+            with pytest.raises(ExceptionGroup) as crashed:
+                async with calculator_session(env, "--exit-after-replies", "3") as session:
+                    assert len((await session.list_tools()).tools) == 5
+                    assert _text(await session.call_tool("add", {"a": "1", "b": "2"})) == "3"
+                    await session.call_tool("add", {"a": "2", "b": "2"})
+            assert crashed.value.subgroup(
+                lambda e: isinstance(e, MCPError) and "Connection closed" in str(e)
+            )
+            (record,) = env.trial_paths.agent_dir.glob(f"{STDIO_EXIT_PREFIX}*.txt")
+            assert record.read_text().startswith(f"{CRASH_EXIT_CODE} ")
         finally:
             await env.stop(delete=True)
 

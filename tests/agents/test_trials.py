@@ -11,7 +11,6 @@ import ray
 from tinker import types
 
 from oneloop.agents.demo_tasks import Fault, generate_tasks
-from oneloop.agents.mcp_agent import McpToolAgent
 from oneloop.agents.trials import (
     GroupResult,
     MaskReason,
@@ -305,14 +304,6 @@ def agent_setup(ray_runtime, local_service, tiny_model_path, tmp_path_factory):
     return clients, tiny_model_path
 
 
-needs_mcp_capability = pytest.mark.xfail(
-    not McpToolAgent.capabilities.mcp_servers,
-    reason="McpToolAgent does not declare AgentCapabilities(mcp_servers=True) yet; Harbor "
-    "refuses MCP tasks for it",
-    strict=True,
-)
-
-
 def agent_runner(tmp_path: Path, model_dir: Path, **overrides) -> TrialRunner:
     kwargs = {
         "tokenizer_path": str(model_dir),
@@ -354,7 +345,6 @@ def _agent_metadata(tmp_path: Path, result) -> dict:
 
 
 @pytest.mark.slow
-@needs_mcp_capability
 def test_agent_tool_hang_times_out_the_call_and_the_trial_completes(agent_setup, tmp_path):
     clients, model_dir = agent_setup
     task = agent_task(tmp_path, Fault.TOOL_HANG)
@@ -369,7 +359,6 @@ def test_agent_tool_hang_times_out_the_call_and_the_trial_completes(agent_setup,
 
 
 @pytest.mark.slow
-@needs_mcp_capability
 def test_agent_megabyte_tool_text_is_truncated(agent_setup, tmp_path):
     from oneloop.agents.renderer import ChatRenderer
 
@@ -391,22 +380,31 @@ def test_agent_megabyte_tool_text_is_truncated(agent_setup, tmp_path):
 
 
 @pytest.mark.slow
-@needs_mcp_capability
 def test_agent_mcp_server_crash_is_infra_retried_then_masks_group(agent_setup, tmp_path):
+    """The MCP server answers the agent's first tool call, then dies mid-trial: the trial is an
+    `mcp_server_crash` (its own class and count, not a generic infra error), retried, then it
+    masks the group."""
     clients, model_dir = agent_setup
     task = agent_task(tmp_path, Fault.SERVER_CRASH)
     runner = agent_runner(tmp_path, model_dir, max_infra_retries=1)
     group = run_agent_group(runner, task.path, 1, clients["add"])
     (result,) = group.results
-    assert result.outcome is TrialOutcome.INFRA_ERROR
+    assert result.outcome is TrialOutcome.MCP_SERVER_CRASH, result.error
+    assert result.masked and result.reward is None
     assert result.attempts == 2
-    assert "MCP stdio server exited mid-trial" in result.error
+    assert "MCP stdio server exited mid-trial: 3 " in result.error
+    # It crashed mid-trial: the agent had its tools and got the answer to its first call.
+    stats = _agent_metadata(tmp_path, result)["tool_stats"]["add"]
+    assert stats["successes"] == 1, stats
     assert group.mask_reason is MaskReason.INFRA
-    assert runner.counters()["trials/attempts_infra_error"] == 2
+    counts = runner.counters()
+    assert counts["trials/attempts_mcp_server_crash"] == 2
+    assert counts["trials/final_mcp_server_crash"] == 1
+    assert counts["trials/attempts_infra_error"] == counts["trials/final_infra_error"] == 0
+    assert counts["groups/masked_infra_error_after_retries"] == 1
 
 
 @pytest.mark.slow
-@needs_mcp_capability
 def test_agent_invalid_tool_call_json_gets_a_repair_and_the_trial_is_scored(agent_setup, tmp_path):
     clients, model_dir = agent_setup
     task = agent_task(tmp_path)

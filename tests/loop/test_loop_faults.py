@@ -1,8 +1,9 @@
 """The loop keeps going through broken rollouts: failing environments, verifiers that write no
-reward, an MCP server that crashes and one that hangs (the trial hits its agent timeout) are
-retried or masked, the tasks dropped after three tries, and every event is counted in
-metrics.jsonl. A sampler actor killed mid-run is restarted by Ray, the run finishes its steps
-without losing or repeating a task, and the restart is counted (`backend/sampler_restarts`)."""
+reward, an MCP server that crashes mid-trial and one that hangs (the trial hits its agent timeout)
+are retried or masked, the tasks dropped after three tries, and every event is counted in
+metrics.jsonl, the crash in a class of its own. A sampler actor killed mid-run is restarted by
+Ray, the run finishes its steps without losing or repeating a task, and the restart is counted
+(`backend/sampler_restarts`)."""
 
 import json
 import os
@@ -18,6 +19,9 @@ import psutil
 import pytest
 
 from oneloop.agents.demo_tasks.generator import Difficulty, Fault, generate_tasks
+from oneloop.agents.demo_tasks.server import CRASH_EXIT_CODE
+from oneloop.agents.environment import STDIO_EXIT_PREFIX
+from oneloop.loop.data import TaskSource
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +37,25 @@ def with_mcp_server(task_dir: Path, code: str, agent_timeout_sec: float | None =
     toml.write_text(text)
 
 
+def with_server_flags(task_dir: Path, *flags: str) -> None:
+    """Add fault-injection flags to the task's own (real) MCP server's arguments."""
+    toml = task_dir / "task.toml"
+    (line,) = re.findall(r"^args = (.*)$", toml.read_text(), flags=re.M)
+    args = json.dumps([*json.loads(line), *flags])
+    toml.write_text(re.sub(r"^args = .*$", f"args = {args}", toml.read_text(), flags=re.M))
+
+
+def trial_records(run_dir: Path, task: str) -> tuple[list[dict], list[list[str]]]:
+    """result.json of each finished trial of the task directory named `task`, and the stdio
+    exit records (one line per MCP server that exited nonzero) beside each."""
+    results, exits = [], []
+    for path in sorted((run_dir / "trials").glob(f"{task}__*/result.json")):
+        results.append(json.loads(path.read_text()))
+        records = (path.parent / "agent").glob(f"{STDIO_EXIT_PREFIX}*.txt")
+        exits.append([record.read_text().strip() for record in records])
+    return results, exits
+
+
 @pytest.mark.timeout(1500)
 def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     tasks = tmp_path / "tasks"
@@ -46,12 +69,28 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     mcp = generate_tasks(tmp_path / "mcp", 2, 0, 3, difficulties=(Difficulty.EASY,))
     crashed = tasks / "train" / "mcp-server-crash"
     shutil.copytree(mcp.train[0].path, crashed)
-    with_mcp_server(crashed, "import sys; sys.exit(3)")
+    # The real calculator server answers the agent's connect (initialize, tools/list: replies 1
+    # and 2), then dies while the agent works (the untrained policy calls no tool).
+    with_server_flags(crashed, "--exit-after-replies", "2")
     hung = tasks / "train" / "mcp-server-hang"
     shutil.copytree(mcp.train[1].path, hung)
     with_mcp_server(hung, "import time; time.sleep(3600)", agent_timeout_sec=5.0)
     for task in good.eval:
         shutil.copytree(task.path, tasks / "eval" / task.path.name)
+    # A data order that hands out the crash task first, so its three groups (one per allowed
+    # attempt) all finish inside the run's three steps and are counted exactly, and the other
+    # faulty tasks among the first five, so they run before the good tasks run out.
+    train = list((tasks / "train").iterdir())
+    faults = {p for p in train if not p.name.endswith("-none")}
+    assert len(faults) == 4, faults
+
+    def first_epoch(seed: int) -> list[Path]:
+        source = TaskSource(train, seed)
+        return [source.next().task for _ in train]
+
+    seed = next(
+        s for s in range(1000) if (o := first_epoch(s))[0] == crashed and faults <= set(o[:5])
+    )
     run_dir = tmp_path / "run"
     train_script.run(
         run_dir,
@@ -65,6 +104,7 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
         "algo.group_size=2",
         "algo.max_staleness=1",
         "algo.filter_zero_variance=false",
+        f"algo.seed={seed}",
         "rollout.max_infra_retries=1",
         "agent.max_turns=1",
         "agent.max_tokens_per_turn=8",
@@ -77,12 +117,29 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
             if key.startswith("rollout/"):
                 totals[key] = totals.get(key, 0.0) + value
     assert [x["step"] for x in lines if "train/loss" in x] == [1, 2, 3]
-    assert totals.get("rollout/groups_masked_infra_error_after_retries", 0) >= 1, totals
-    assert totals.get("rollout/outcome_infra_error", 0) >= 1, totals
     assert totals.get("rollout/outcome_agent_timeout", 0) >= 1, totals  # the hung MCP server
-    results = [json.loads(p.read_text()) for p in (run_dir / "trials").glob("*/result.json")]
+    # The mid-trial crash is counted in its own class: 3 groups (the task is dropped after its
+    # third) of 2 trials...
+    crashes = totals.get("rollout/outcome_mcp_server_crash", 0)
+    infra = totals.get("rollout/outcome_infra_error", 0)  # the failing environment, no reward
+    assert crashes == 6, totals
+    assert infra >= 4 and infra % 2 == 0, totals  # a group of each at least
+    # ... and every trial of a masked group in exactly one of the two infra classes.
+    assert crashes + infra == 2 * totals["rollout/groups_masked_infra_error_after_retries"], totals
+    # The crash task ran 12 times (6 trials, each retried once): each attempt crashed mid-trial,
+    # after the agent had connected and sampled (no exception), leaving the server's exit status.
+    results, exits = trial_records(run_dir, "mcp-server-crash")
+    assert len(results) == 2 * crashes, (totals, len(results))
+    for result, records in zip(results, exits, strict=True):
+        assert result["exception_info"] is None, result["exception_info"]
+        assert result["agent_result"]["metadata"]["turns"] >= 1
+        assert [r.split()[0] for r in records] == [str(CRASH_EXIT_CODE)], records
+    # No other task's trial saw an MCP server exit.
+    others = [p for p in (run_dir / "trials").glob("*/agent/" + STDIO_EXIT_PREFIX + "*.txt")
+              if not p.parent.parent.name.startswith("mcp-server-crash__")]  # fmt: skip
+    assert others == [], others
+    results, _ = trial_records(run_dir, "mcp-server-hang")
     errors = " ".join(json.dumps(r.get("exception_info")) for r in results)
-    assert "mcp-server-crash" in " ".join(r.get("trial_name", "") for r in results)
     assert "AgentTimeoutError" in errors, errors[:2000]
     checkpoint = json.loads((run_dir / "checkpoints.jsonl").read_text().splitlines()[-1])
     assert len(checkpoint["consumed"]) == len(set(checkpoint["consumed"]))

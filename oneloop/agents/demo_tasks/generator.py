@@ -47,7 +47,7 @@ class Fault(StrEnum):
     NONE = "none"
     TOOL_HANG = "tool_hang"  # `add` never returns
     TOOL_HUGE = "tool_huge"  # `add` returns 1 MB of text
-    SERVER_CRASH = "server_crash"  # the MCP server exits on its first tool call
+    SERVER_CRASH = "server_crash"  # the MCP server answers its first tool call, then exits (3)
     ENV_START_FAIL = "env_start_fail"  # NoContainerEnvironment.start raises
     NO_REWARD = "no_reward"  # the verifier runs but writes no reward file
 
@@ -109,7 +109,7 @@ def _server_args(fault: Fault) -> list[str]:
     extra = {
         Fault.TOOL_HANG: ["--hang-tool", "add"],
         Fault.TOOL_HUGE: ["--huge-tool", "add"],
-        Fault.SERVER_CRASH: ["--crash-after", "1"],
+        Fault.SERVER_CRASH: ["--exit-after-replies", "3"],  # initialize, tools/list, one call
     }.get(fault, [])
     return ["-m", SERVER_MODULE, "--answer-path", ANSWER_ENV_PATH, *extra]
 

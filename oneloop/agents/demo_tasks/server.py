@@ -10,13 +10,18 @@ mount namespace where `/logs/agent` is that trial's own directory. Started anywh
 
 Fault-injection flags for tests: `--hang-tool NAME` (that tool never returns), `--huge-tool NAME`
 (that tool returns `HUGE_RESULT_CHARS` characters), `--crash-after N` (the process exits with
-status 3 on the N-th tool call, before answering it).
+status 3 on the N-th tool call, before answering it), `--exit-after-replies N` (the process exits
+with status 3 right after its N-th JSON-RPC reply is written out: a crash mid-trial once the client
+holds that answer; `initialize` and `tools/list` are replies 1 and 2, so N = 3 answers the first
+tool call and then dies).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
+import json
 import os
 import sys
 from fractions import Fraction
@@ -134,21 +139,63 @@ def _tool(fn: Any, description: str, schema: dict[str, Any]) -> Tool:
     return tool.model_copy(update={"parameters": schema})
 
 
+class ExitAfterReplies(io.BufferedIOBase):
+    """Standard output for `--exit-after-replies`: bytes pass through to `out`; once the `limit`-th
+    JSON-RPC reply (a message with an `id` and a `result` or `error`) has been flushed, the
+    process exits with `CRASH_EXIT_CODE`: the client already holds that reply, the next gets none.
+    The MCP stdio transport writes one message per line and flushes after each."""
+
+    def __init__(self, out: io.BufferedIOBase, limit: int) -> None:
+        super().__init__()
+        self._out, self._limit = out, limit
+        self._pending = b""
+        self.replies = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any, /) -> int:
+        self._out.write(data)
+        self._pending += bytes(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+        *lines, self._pending = self._pending.split(b"\n")
+        for line in lines:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue  # not a protocol message (stray output)
+            if isinstance(message, dict) and "id" in message:
+                self.replies += bool(message.keys() & {"result", "error"})
+        if self.replies >= self._limit:
+            sys.stderr.write(f"calculator server: injected crash after reply {self.replies}\n")
+            sys.stderr.flush()
+            os._exit(CRASH_EXIT_CODE)  # a crash, on purpose: no cleanup
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--answer-path", default=DEFAULT_ANSWER_PATH)
     parser.add_argument("--hang-tool", choices=TOOL_NAMES)
     parser.add_argument("--huge-tool", choices=TOOL_NAMES)
     parser.add_argument("--crash-after", type=int)
+    parser.add_argument("--exit-after-replies", type=int)
     args = parser.parse_args(argv)
-    if args.crash_after is not None and args.crash_after < 1:
-        parser.error(f"--crash-after must be >= 1, got {args.crash_after}")
+    for flag in ("crash_after", "exit_after_replies"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     answer_path = Path(args.answer_path)
     if not answer_path.parent.is_dir():
         sys.exit(
             f"calculator server: {answer_path.parent} does not exist; start the server inside "
             "the trial's environment (e.g. through NoContainerEnvironment.stdio_command)"
         )
+    if args.exit_after_replies is not None:
+        # Not backed by fd 1, so the MCP stdio transport writes through this object in place.
+        sys.stdout = io.TextIOWrapper(ExitAfterReplies(sys.stdout.buffer, args.exit_after_replies))
     build_server(answer_path, args.hang_tool, args.huge_tool, args.crash_after).run("stdio")
 
 

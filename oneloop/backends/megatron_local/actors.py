@@ -1,13 +1,15 @@
 """Ray actors hosting the engines: a trainer actor per training model, a sampler per base model.
 
 The trainer actor is a plain (single-threaded) actor, so a model's calls run in submission order.
-The sampler actor is an async actor: many `sample` calls queue at once while one engine call runs in
-a worker thread behind a FIFO lock, so weight updates take effect between requests and the actor's
-event loop never blocks. Weights travel trainer → sampler through the Ray object store (numpy
-arrays, zero-copy on the reading side), or on GPUs in vLLM's parameter layout over CUDA IPC (same
-GPU) or NCCL (another GPU); each sync bumps the trainer's version. LoRA runs on the vllm sampler
-send adapters instead (`export_adapter`: a PEFT directory under the run directory, loaded by the
-sampler as a vLLM LoRA module; `lora_serving.py`, `engines/vllm/lora.py`).
+The sampler actor is an async actor: many `sample` calls queue at once and its event loop never
+blocks. Engines that batch concurrent requests themselves (`ConcurrentSampler`: vllm, and torch,
+whose worker thread batches whatever is waiting) get each request as it comes, without a lock, and
+guard their own model, so weight updates land between batches; any other engine runs one call at a
+time in a worker thread behind a FIFO lock. Weights travel trainer → sampler through the Ray object
+store (numpy arrays, zero-copy on the reading side), or on GPUs in vLLM's parameter layout over
+CUDA IPC (same GPU) or NCCL (another GPU); each sync bumps the trainer's version. LoRA runs on
+the vllm sampler send adapters instead (`export_adapter`: a PEFT directory under the run
+directory, loaded by the sampler as a vLLM LoRA module; `lora_serving.py`, `engines/vllm/lora.py`).
 Optional engine capabilities are tested with `isinstance` on the protocols of `engines/base.py`.
 """
 
@@ -166,8 +168,8 @@ class SamplerActor:
 
     def __init__(self, local: LocalBackendConfig, model_path: str, lora_rank: int = 0) -> None:
         self.engine = make_sampler_engine(local, Path(model_path), lora_rank)
-        # Concurrent engines (vllm) batch concurrent requests themselves; others run one call at
-        # a time behind a FIFO lock.
+        # Concurrent engines (vllm, torch) batch concurrent requests themselves and are safe to
+        # call from many threads; others run one call at a time behind a FIFO lock.
         self.concurrent = isinstance(self.engine, ConcurrentSampler)
         self.lock = asyncio.Lock()
 

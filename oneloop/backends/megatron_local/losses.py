@@ -30,10 +30,25 @@ done by scaling advantages/weights. `target_logprobs` is log p_theta (the learne
   real position, including advantage-0 ones, and the service rejects a `weights` input for dro
   (https://github.com/thinking-machines-lab/tinker-cookbook/issues/907); we match that: only
   padding is masked here.
+- `gspo` (GSPO-token): -min(s_t * A, clamp(s_t, clip_low_threshold, clip_high_threshold) * A),
+  where s = exp(mean over the datum's marked tokens M of sg(target_logprobs) - logprobs), M being
+  the positions where the `sequence_ratio_mask` input is non-zero, and s_t = sg(s) *
+  exp(target_logprobs - sg(target_logprobs)): every token carries the sequence ratio's value and
+  the gradient of its own logprob. Inputs: target_tokens, logprobs, advantages,
+  sequence_ratio_mask. Config keys `clip_low_threshold` / `clip_high_threshold` (ratio bounds).
+  https://tinker-docs.thinkingmachines.ai/tinker/losses/gspo
 
 Departures, stated on purpose:
 - `dro` requires `beta`: the docs give no default value, so guessing one would silently change the
   objective; an absent `beta` is a `LossInputError`.
+- `gspo` requires both clip thresholds: the part of its page we could read gives the clip as
+  (1 - eps_low, 1 + eps_high) with no default, so an absent one is a `LossInputError`, as for dro.
+  A datum whose `sequence_ratio_mask` marks no token has no sequence ratio (a mean over nothing):
+  a `LossInputError` naming the datum, not a NaN loss.
+- `stable_reinforce` (SDK 0.38's `LossFnType`) is refused with its reason: Tinker documents its
+  sampling-side inputs (samples taken with `record_stability_info`, named by `sequence_id`
+  provenance) and a `kl_coeff` config key, but not its objective or what "stability information"
+  holds, so this backend can neither record that information nor compute the loss exactly.
 - Threshold sanity (0 <= clip_low_threshold <= 1 <= clip_high_threshold, beta >= 0, finite) is our
   own check; a knob we cannot honour is an error, never a silent no-op.
 - `loss_fn_inputs` keys other than `target_tokens` and the loss's required inputs are rejected
@@ -55,11 +70,24 @@ from torch import Tensor
 
 from oneloop.errors import LossInputError
 
-LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 
 SUPPORTED_LOSSES: frozenset[str] = frozenset(
-    {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+    {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
 )
+
+# Losses whose per-token value depends on the whole datum (a sequence-level statistic): an engine
+# that splits one datum's positions across ranks (context parallelism) cannot compute them per rank.
+SEQUENCE_LEVEL_LOSSES: frozenset[str] = frozenset({"gspo"})
+
+# Tinker built-ins this backend refuses, with the reason (module docstring, "Departures").
+UNSUPPORTED_BUILTINS: dict[str, str] = {
+    "stable_reinforce": (
+        "Tinker publishes its sampling-side inputs (record_stability_info, sequence_id provenance) "
+        "but not its objective, so this backend cannot compute it exactly; use gspo, ppo or cispo "
+        "here, or the tinker backend"
+    ),
+}
 
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("weights",),
@@ -67,6 +95,7 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
 }
 
 # Config defaults per loss; a key listed with value None is required (no documented default).
@@ -76,7 +105,11 @@ _CONFIG_DEFAULTS: dict[str, dict[str, float | None]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": None},
+    "gspo": {"clip_low_threshold": None, "clip_high_threshold": None},
 }
+# An example value for each required key, for the error that asks for it.
+_REQUIRED_EXAMPLE = {"beta": 0.05, "clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_SEQUENCE_MASK = "sequence_ratio_mask"
 
 _TARGET_TOKENS = "target_tokens"
 
@@ -88,7 +121,7 @@ class LossResult:
     loss: 0-d sum over all real tokens of all datums; differentiable w.r.t. target_logprobs.
     per_datum: [B] detached per-datum sums (loss == per_datum.sum() up to rounding).
     metrics: Tinker-style `name:reduction` keys; always `loss:sum`, plus `clipped_tokens:sum`
-        (real tokens whose ratio lies outside the clip range) for ppo and cispo.
+        (real tokens whose ratio lies outside the clip range) for ppo, cispo and gspo.
     """
 
     loss: Tensor
@@ -97,6 +130,10 @@ class LossResult:
 
 
 def _check_loss_name(loss_fn: str) -> None:
+    if loss_fn in UNSUPPORTED_BUILTINS:
+        raise LossInputError(
+            f"loss_fn {loss_fn!r} is not supported by this backend: {UNSUPPORTED_BUILTINS[loss_fn]}"
+        )
     if loss_fn not in SUPPORTED_LOSSES:
         raise LossInputError(
             f"loss_fn {loss_fn!r} is not supported by this backend; "
@@ -126,9 +163,10 @@ def validate_loss_config(
     for key, default in defaults.items():
         if key not in given:
             if default is None:
+                example = f"{{{key!r}: {_REQUIRED_EXAMPLE[key]}}}"
                 raise LossInputError(
-                    f"loss_fn_config[{key!r}] is required by loss {loss_fn!r} "
-                    f"(expected a finite number >= 0, e.g. {{{key!r}: 0.05}})"
+                    f"loss_fn_config[{key!r}] is required by loss {loss_fn!r} (no documented "
+                    f"default; expected a finite number, e.g. {example})"
                 )
             resolved[key] = default
             continue
@@ -215,6 +253,11 @@ def validate_datum_inputs(
             raise LossInputError(
                 f"{where}loss_fn_inputs[{key!r}] must be finite; position {bad} is {array[bad]}"
             )
+        if key == _SEQUENCE_MASK and not array.any():
+            raise LossInputError(
+                f"{where}loss_fn_inputs[{key!r}] marks no token (all zeros); loss {loss_fn!r} "
+                "averages the log-ratio over the marked tokens, so mark at least one"
+            )
 
 
 # --- one function per loss: per-token loss [B, T], already safe at padded positions ---------------
@@ -251,12 +294,36 @@ def _dro(lp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> 
     return -(lp * inputs["advantages"] - 0.5 * cfg["beta"] * quadratic)
 
 
+def _gspo(lp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
+    advantages = inputs["advantages"]
+    ratio = _gspo_ratio(lp, inputs)
+    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def _gspo_ratio(lp: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+    """s_t [B, T]: the row's sequence ratio as value, each token's own logprob as gradient. Inputs
+    are zeroed on padding, so padding is never in the ratio's mask."""
+    in_ratio = inputs[_SEQUENCE_MASK] != 0
+    count = in_ratio.sum(dim=1, keepdim=True)
+    if bool((count == 0).any()):
+        row = int(torch.nonzero(count.squeeze(1) == 0)[0])
+        raise LossInputError(
+            f"loss_fn_inputs[{_SEQUENCE_MASK!r}] marks no real token in row {row}; loss 'gspo' "
+            "averages the log-ratio over the marked tokens, so mark at least one"
+        )
+    gap = torch.where(in_ratio, lp.detach() - inputs["logprobs"], torch.zeros_like(lp))
+    log_ratio = gap.sum(dim=1, keepdim=True) / count
+    return torch.exp(log_ratio + lp - lp.detach())
+
+
 _PER_TOKEN: dict[str, _PerToken] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
     "ppo": _ppo,
     "cispo": _cispo,
     "dro": _dro,
+    "gspo": _gspo,
 }
 
 
@@ -332,9 +399,12 @@ def compute_loss(
     per_row = per_token.sum(dim=1)
     loss = per_row.sum()
     metrics = {"loss:sum": float(loss.detach().item())}
-    if loss_fn in ("ppo", "cispo"):
+    if loss_fn in ("ppo", "cispo", "gspo"):
         with torch.no_grad():
-            ratio = torch.exp(lp - prepared["logprobs"])
+            if loss_fn == "gspo":
+                ratio = _gspo_ratio(lp, prepared)
+            else:
+                ratio = torch.exp(lp - prepared["logprobs"])
             outside = (ratio < cfg["clip_low_threshold"]) | (ratio > cfg["clip_high_threshold"])
             metrics["clipped_tokens:sum"] = float((outside & mask).sum().item())
     return LossResult(loss=loss, per_datum=per_row.detach(), metrics=metrics)

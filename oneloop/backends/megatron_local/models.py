@@ -10,6 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+# At module level: transformers' lazy attribute import is not thread-safe (two training clients
+# created at once, the serve thread and the caller's, failed with "cannot import AutoConfig").
+from transformers import AutoConfig, GenerationConfig
+
 from oneloop.errors import CapabilityError
 
 
@@ -22,6 +26,11 @@ def resolve_model(models: Mapping[str, Path], base_model: str) -> Path:
     if base_model in named_tiny_specs():
         return build_tiny_model(named_tiny_specs()[base_model])
     if Path(base_model).is_dir():
+        if not (Path(base_model) / "config.json").is_file():
+            raise CapabilityError(
+                f"base_model={base_model!r} is a directory without config.json: pass a local "
+                "Hugging Face model directory"
+            )
         return Path(base_model).resolve()
     raise CapabilityError(
         f"base_model={base_model!r} is not known to the local backend: add it under "
@@ -39,8 +48,6 @@ def served_model_names(models: Mapping[str, Path]) -> list[str]:
 def sampling_limits(model_dir: Path | str) -> tuple[tuple[int, ...], int]:
     """`(eos token ids, context length)` of the model in `model_dir`: the default stop tokens and
     the prompt + completion budget of its sampling clients."""
-    from transformers import AutoConfig, GenerationConfig
-
     eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
     context = int(AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings)

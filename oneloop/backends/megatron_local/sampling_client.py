@@ -25,6 +25,23 @@ from oneloop.backends.megatron_local.routing import SamplerPool
 from oneloop.backends.megatron_local.sample_batch import sample_response
 from oneloop.errors import CapabilityError, RequestError
 
+# Tinker's `record_stability_info` (SDK 0.38) asks the server to record, per sampled sequence,
+# information that only the `stable_reinforce` loss reads. Tinker documents neither that
+# information nor the loss's objective, so the local backend refuses both with this reason rather
+# than record something else under that name (`losses.UNSUPPORTED_BUILTINS`).
+STABILITY_INFO_REFUSAL = (
+    "record_stability_info: not supported by the local backend: it records information that only "
+    "the stable_reinforce loss reads, and Tinker does not publish what that information or that "
+    "loss's objective is, so this backend neither records it nor trains with stable_reinforce; "
+    "sample without it (each sequence still carries its sequence_id)"
+)
+
+
+def check_no_stability_info(record_stability_info: bool | None) -> None:
+    """Raise CapabilityError(STABILITY_INFO_REFUSAL) if `record_stability_info` is set."""
+    if record_stability_info:
+        raise CapabilityError(STABILITY_INFO_REFUSAL)
+
 
 def token_ids(model_input: types.ModelInput) -> np.ndarray:
     """All token ids as int64, chunk by chunk through numpy, so a chunk that holds an array

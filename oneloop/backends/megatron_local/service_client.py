@@ -18,7 +18,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from oneloop.backends import capabilities as backend_capabilities
 from oneloop.backends.capabilities import Capabilities
-from oneloop.backends.config import BackendConfig
+from oneloop.backends.config import BackendConfig, check_model_dirs
 from oneloop.backends.megatron_local import models
 from oneloop.backends.megatron_local.actors import SamplerActor, TrainerActor
 from oneloop.backends.megatron_local.checkpoints import CheckpointMeta, TinkerPath
@@ -32,7 +32,10 @@ from oneloop.backends.megatron_local.lora_serving import (
 )
 from oneloop.backends.megatron_local.publish import WeightPublisher
 from oneloop.backends.megatron_local.routing import SamplerPool
-from oneloop.backends.megatron_local.sampling_client import LocalSamplingClient
+from oneloop.backends.megatron_local.sampling_client import (
+    LocalSamplingClient,
+    check_no_stability_info,
+)
 from oneloop.backends.megatron_local.training_client import LocalTrainingClient
 from oneloop.backends.ray_runtime import init_ray
 from oneloop.errors import CapabilityError, RequestError
@@ -59,6 +62,7 @@ class LocalServiceClient:
         self.run_dir = config.run_dir.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.capabilities: Capabilities = backend_capabilities(config)
+        check_model_dirs(config)  # before Ray starts: a wrong path is a config error
         init_ray(
             address=config.local.ray_address,
             num_cpus=config.local.ray_num_cpus,
@@ -70,7 +74,8 @@ class LocalServiceClient:
         self.publisher = WeightPublisher(config.local)
         self._sampler_info: dict[str, tuple[tuple[int, ...], int]] = {}
         self._pool_lora: dict[str, int] = {}  # LoRA rank each model's vllm samplers serve
-        self._trainers: list[Any] = []
+        self._trainers: dict[str, Any] = {}
+        """Live trainer actors by run id (`release_training_client` stops one)."""
 
     # -- models ----------------------------------------------------------------------------------
 
@@ -86,13 +91,16 @@ class LocalServiceClient:
         local = self.config.local
         capacity = self._pool_capacity(key, lora_rank)
         if key not in self._samplers:
+            # Read first: a directory that is not a model fails here, before any actor starts
+            # and before the pool is registered half-made.
+            limits = models.sampling_limits(key)
             self._pool_lora[key] = capacity
             actors = [
                 SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key, capacity)
                 for _ in range(local.samplers_per_model)
             ]
+            self._sampler_info[key] = limits
             self._samplers[key] = SamplerPool(actors)
-            self._sampler_info[key] = models.sampling_limits(key)
         return self._samplers[key]
 
     def _pool_capacity(self, key: str, lora_rank: int | None) -> int:
@@ -141,11 +149,29 @@ class LocalServiceClient:
         if serves_adapters(local.sampler_engine, lora.rank):
             check_adapter_targets(lora.train_mlp, lora.train_attn, lora.train_unembed)
         self._pool_capacity(str(model_dir), lora.rank)  # before any actor starts
+        self.sampler_pool(model_dir, lora.rank)  # before the trainer: nothing leaks if it fails
         actor = TrainerActor.options(num_gpus=local.gpus_per_trainer).remote(
             local, str(model_dir), lora
         )
-        self._trainers.append(actor)
-        return actor, run_id or f"run-{uuid.uuid4().hex[:12]}"
+        run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
+        self._trainers[run_id] = actor
+        return actor, run_id
+
+    @property
+    def live_trainers(self) -> int:
+        """Trainer actors started by this client and not yet released."""
+        return len(self._trainers)
+
+    def release_training_client(self, run_id: str) -> bool:
+        """Stop the trainer actor of training run `run_id` (a local-backend extension: `oneloop
+        serve` calls it when a session ends, a model is unloaded or sits idle). Its checkpoints
+        stay; a request to the released client fails with Ray's actor-died error. False if no
+        live trainer has that run id (already released)."""
+        actor = self._trainers.pop(run_id, None)
+        if actor is None:
+            return False
+        ray.kill(actor)
+        return True
 
     def create_lora_training_client(
         self,
@@ -168,7 +194,6 @@ class LocalServiceClient:
         self.capabilities.check(lora_rank=rank)
         model_dir = self.resolve_model(base_model)
         actor, run_id = self._start_trainer(base_model, model_dir, lora)
-        self.sampler_pool(model_dir, lora.rank)
         return chain(
             actor.ready.remote(),
             lambda _: LocalTrainingClient(self, actor, run_id, base_model, model_dir, lora),
@@ -187,7 +212,6 @@ class LocalServiceClient:
         lora = meta.lora
         model_dir = Path(meta.model_dir)
         actor, run_id = self._start_trainer(meta.base_model, model_dir, lora)
-        self.sampler_pool(model_dir, lora.rank)
         loaded = actor.load_state.remote(str(directory), with_optimizer)
         return chain(
             loaded,
@@ -222,6 +246,7 @@ class LocalServiceClient:
         retry_config: Any = None,
         record_stability_info: bool = False,
     ) -> AwaitableConcurrentFuture[LocalSamplingClient]:
+        check_no_stability_info(record_stability_info)
         if model_path is None and base_model is None:
             raise RequestError("create_sampling_client: pass model_path or base_model")
         if model_path is None:
@@ -264,7 +289,7 @@ class LocalServiceClient:
     ) -> AwaitableConcurrentFuture[None]:
         """Stop this client's actors (the Ray runtime stays up for other clients). Same signature
         as the SDK's `ServiceClient.close(status, detail)`; returns a finished future."""
-        for actor in [*self._trainers, *self._sampler_actors()]:
+        for actor in [*self._trainers.values(), *self._sampler_actors()]:
             ray.kill(actor)
         self._trainers.clear()
         self._samplers.clear()

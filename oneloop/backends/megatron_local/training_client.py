@@ -28,7 +28,11 @@ from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardRes
 from oneloop.backends.megatron_local.futures import chain
 from oneloop.backends.megatron_local.lora_serving import serves_adapters
 from oneloop.backends.megatron_local.models import load_tokenizer
-from oneloop.backends.megatron_local.sampling_client import LocalSamplingClient, token_ids
+from oneloop.backends.megatron_local.sampling_client import (
+    LocalSamplingClient,
+    check_no_stability_info,
+    token_ids,
+)
 from oneloop.errors import CapabilityError, RequestError
 
 if TYPE_CHECKING:
@@ -241,8 +245,7 @@ class LocalTrainingClient:
         adapters = serves_adapters(self._service.config.local.sampler_engine, self.lora.rank)
         if not adapters:  # the table's vllm row (one live weight set) is for merged weights
             self._service.capabilities.check(sampler_kind=kind)
-        if record_stability_info:
-            raise CapabilityError("record_stability_info is not supported by the local backend")
+        check_no_stability_info(record_stability_info)
         key = (
             f"inflight:{self.model_id}"
             if kind == "inflight"
@@ -265,6 +268,7 @@ class LocalTrainingClient:
     def create_sampling_client(
         self, model_path: str, retry_config: Any = None, record_stability_info: bool = False
     ) -> AwaitableConcurrentFuture[LocalSamplingClient]:
+        check_no_stability_info(record_stability_info)
         return self._service.create_sampling_client(model_path=model_path)
 
     # -- info ------------------------------------------------------------------------------------

@@ -43,24 +43,39 @@ def trainer(local_service):
 
 
 def test_one_batch_equals_two_halves_accumulated(local_service):
-    """Gradients accumulate across forward_backward calls until optim_step (losses are sums)."""
-    data = [make_datum(random_tokens(i, 20 + 7 * i), "ppo", i) for i in range(6)]
-    a = local_service.create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=11).result()
-    b = local_service.create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=11).result()
-    a.forward_backward(data, "ppo").result()
-    a.optim_step(ADAM).result()
-    b.forward_backward(data[:3], "ppo")
-    b.forward_backward(data[3:], "ppo")
-    b.optim_step(ADAM).result()
-    wa, wb = trainable_weights(a, "whole"), trainable_weights(b, "halves")
+    """Gradients accumulate across forward_backward calls until optim_step (losses are sums).
+
+    Regression: this compared the weights after one clipped AdamW step, which does not depend on
+    the gradient's scale, so averaging each call's gradient instead of summing passed. Now each
+    step's reported grad norm is compared, and the weights after two unclipped steps whose calls
+    are split differently on the two sides (a per-call scale cannot cancel out across steps)."""
+    first = [make_datum(random_tokens(i, 20 + 7 * i), "ppo", i) for i in range(6)]
+    second = [make_datum(random_tokens(10 + i, 18 + 5 * i), "ppo", 10 + i) for i in range(4)]
+    unclipped = ADAM.model_copy(update={"grad_clip_norm": 0.0})
+    # Step by step, the calls each side makes: `a` sends step 1 whole and step 2 in two calls
+    # (1 + 3 datums), `b` the other way round (3 + 3 datums, then 4).
+    plans = {"a": [[first], [second[:1], second[1:]]], "b": [[first[:3], first[3:]], [second]]}
+    losses: dict[str, list[float]] = {}
+    norms: dict[str, list[float]] = {}
+    clients = {}
+    for side, steps in plans.items():
+        client = local_service.create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=11)
+        clients[side] = client = client.result()
+        if side == "a":
+            w0 = trainable_weights(client, "init")
+        for calls in steps:
+            outs = [client.forward_backward(call, "ppo") for call in calls]
+            losses.setdefault(side, []).append(sum(o.result().metrics["loss:sum"] for o in outs))
+            step = client.optim_step(unclipped).result()
+            norms.setdefault(side, []).append(step.metrics["grad_norm:mean"])
+    assert losses["a"] == pytest.approx(losses["b"], rel=1e-5)
+    assert all(n > 0 for n in norms["a"]), norms
+    assert norms["a"] == pytest.approx(norms["b"], rel=1e-5), norms
+    wa, wb = trainable_weights(clients["a"], "whole"), trainable_weights(clients["b"], "halves")
     assert wa.keys() == wb.keys()
-    moved = False
     for key in wa:
-        np.testing.assert_allclose(wa[key], wb[key], rtol=1e-5, atol=1e-6)
-    init = local_service.create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=11).result()
-    w0 = trainable_weights(init, "init")
-    moved = any(not np.allclose(w0[k], wa[k]) for k in wa)
-    assert moved, "optim_step did not change the weights"
+        np.testing.assert_allclose(wa[key], wb[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert any(not np.allclose(w0[k], wa[k]) for k in wa), "optim_step did not change the weights"
 
 
 def test_microbatching_does_not_change_results(tmp_path, tiny_model_path):
@@ -212,17 +227,28 @@ def test_sampler_checkpoint_by_path_and_full_finetune(local_service):
 
 
 def test_futures_are_awaitable_and_ordered(trainer):
-    async def go():
-        data = [make_datum(random_tokens(3, 16))]
-        first = trainer.forward(data, "cross_entropy")
-        step = trainer.optim_step(types.AdamParams(learning_rate=0.0))
-        second = trainer.forward(data, "cross_entropy")
-        return await first, await step, await second
+    """A model's calls run in submission order, whoever awaits first.
 
-    first, step, second = asyncio.run(go())
+    Regression: the step between the two forwards had learning rate 0, so running it before the
+    first forward or after the second changed nothing; now it moves the weights."""
+    data = [make_datum(random_tokens(3, 16))]
+
+    async def go():
+        grads = trainer.forward_backward(data, "cross_entropy")
+        first = trainer.forward(data, "cross_entropy")
+        step = trainer.optim_step(types.AdamParams(learning_rate=5e-2))
+        second = trainer.forward(data, "cross_entropy")
+        # Awaited in reverse order of submission.
+        return await second, await step, await first, await grads
+
+    second, step, first, grads = asyncio.run(go())
     assert isinstance(first, types.ForwardBackwardOutput)
     assert isinstance(step, types.OptimStepResponse)
-    assert first.metrics["loss:sum"] == pytest.approx(second.metrics["loss:sum"], rel=1e-6)
+    before, after = first.metrics["loss:sum"], second.metrics["loss:sum"]
+    assert before == pytest.approx(grads.metrics["loss:sum"], rel=1e-6)  # ran before the step
+    assert after < before - 1e-2, (before, after)  # ran after it: the step lowered this loss
+    settled = trainer.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert after == pytest.approx(settled, rel=1e-6)
 
 
 @pytest.mark.parametrize(

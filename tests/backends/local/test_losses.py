@@ -22,6 +22,7 @@ from oneloop.backends.megatron_local.losses import (
 from oneloop.errors import LossInputError
 
 LN2 = math.log(2.0)
+GSPO_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 
 
 def _t(rows: list[list[float]], grad: bool = False) -> torch.Tensor:
@@ -128,6 +129,55 @@ def test_dro_quadratic_penalty_applies_even_at_zero_advantage() -> None:
     assert _grad(res.loss, lp) == [[pytest.approx(-(1 - 0.1 * LN2)), pytest.approx(0.2 * LN2)]]
 
 
+def _gspo_inputs(sampler: list[list[float]], adv: list[list[float]], marks: list[list[float]]):
+    return {
+        "logprobs": _t(sampler).log(),
+        "advantages": _t(adv),
+        "sequence_ratio_mask": _t(marks),
+    }
+
+
+def test_gspo_sequence_ratio_value_with_each_tokens_own_gradient() -> None:
+    # Row 0: token ratios 2, 1/2, 1, all marked: mean log-ratio 0, s = 1 (inside [0.8, 1.2]).
+    # Row 1: token ratios 2, 2, 1/4, the last unmarked: mean over the marked two is ln2, s = 2
+    # (were the third marked, the mean would be 0 and s = 1: the mask decides).
+    lp = _lp([[0.5, 0.25, 0.5], [0.5, 0.5, 0.125]])
+    inputs = _gspo_inputs(
+        [[0.25, 0.5, 0.5], [0.25, 0.25, 0.5]], [[1.0, -1.0, 2.0], [1.0, 1.0, -1.0]],
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]],
+    )
+    res = compute_loss("gspo", lp, inputs, _full_mask(lp), GSPO_CLIP)
+    # Row 0, s = 1 for every token: -(1*1 + 1*-1 + 1*2) = -2; d/dlp_t = -A_t * s = [-1, 1, -2].
+    # Row 1, s = 2 for every token (the unmarked one too):
+    #   A=+1: min(2, 1.2) = 1.2 clipped  -> -1.2 each, gradient 0
+    #   A=-1: min(-2, -1.2) = -2 unclipped -> +2, gradient -A * s = 2
+    assert res.per_datum.tolist() == [pytest.approx(-2.0), pytest.approx(-0.4)]
+    assert res.loss.item() == pytest.approx(-2.4)
+    assert _grad(res.loss, lp) == [
+        [pytest.approx(-1.0), pytest.approx(1.0), pytest.approx(-2.0)],
+        [0.0, 0.0, pytest.approx(2.0)],
+    ]
+    # s = 2 lies outside [0.8, 1.2] for all three real tokens of row 1.
+    assert res.metrics["clipped_tokens:sum"] == 3.0
+    # Token-level ppo on the same numbers differs: row 1's third token has ratio 1/4, not 2.
+    ppo = compute_loss("ppo", lp, {k: inputs[k] for k in ("logprobs", "advantages")},
+                       _full_mask(lp), GSPO_CLIP)  # fmt: skip
+    assert ppo.per_datum[1].item() == pytest.approx(-1.2 - 1.2 + 0.8)
+
+
+def test_gspo_row_with_no_marked_token_is_an_error_not_nan() -> None:
+    lp = _lp([[0.5, 0.5], [0.5, 0.5]])
+    inputs = _gspo_inputs([[0.5, 0.5], [0.5, 0.5]], [[1.0, 1.0], [1.0, 1.0]],
+                          [[1.0, 0.0], [0.0, 0.0]])  # fmt: skip
+    with pytest.raises(LossInputError, match=r"mask'\] marks no real token in row 1"):
+        compute_loss("gspo", lp, inputs, _full_mask(lp), GSPO_CLIP)
+    # A mark on a padded position does not count: padding is never in the ratio.
+    inputs["sequence_ratio_mask"] = _t([[1.0, 0.0], [0.0, 1.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    with pytest.raises(LossInputError, match="in row 1"):
+        compute_loss("gspo", lp, inputs, mask, GSPO_CLIP)
+
+
 def test_per_datum_is_detached_row_sums_and_loss_is_their_sum() -> None:
     lp = _lp([[0.5, 0.25], [0.125, 0.5]])
     weights = _t([[1.0, 1.0], [1.0, 0.0]])
@@ -147,7 +197,8 @@ def test_padded_positions_contribute_nothing(loss_fn: str) -> None:
     real_lp = [math.log(0.5), math.log(0.25)]
     real = {"logprobs": [math.log(0.25), math.log(0.5)], "advantages": [1.0, -1.0]}
     real["weights"] = [1.0, 1.0]
-    config = {"beta": 0.5} if loss_fn == "dro" else None
+    real["sequence_ratio_mask"] = [1.0, 1.0]
+    config = {"beta": 0.5} if loss_fn == "dro" else GSPO_CLIP if loss_fn == "gspo" else None
 
     def inputs(pad: list[float]) -> dict[str, torch.Tensor]:
         return {k: _t([real[k] + pad]) for k in REQUIRED_INPUTS[loss_fn]}
@@ -226,6 +277,36 @@ def test_cispo_gradient_matches_finite_differences_where_coefficient_is_constant
     _gradcheck("cispo", lp, {"logprobs": sampler, "advantages": adv}, _full_mask(lp), cfg)
 
 
+def test_gspo_gradient_matches_finite_differences_with_sequence_advantages() -> None:
+    """With one advantage per sequence on its marked tokens (0 elsewhere), GSPO-token's loss is
+    |M| * -min(s A, clip(s) A) as a function of the logprobs (s recomputed from them), and its
+    stop-gradient gradient is that function's true gradient (the GSPO paper's equivalence): so
+    finite differences of the loss value check the autograd gradient, padding and the mask
+    included. Sequence ratios sit away from the clip kinks: s = e^0.2 inside [0.5, 2] (A > 0),
+    e^1 above it with A < 0 (unclipped branch) and with A > 0 (clipped: gradient 0), e^-1 below
+    it with A > 0 (unclipped)."""
+    gen = torch.Generator().manual_seed(1)
+    sampler = -torch.rand(5, 5, generator=gen, dtype=torch.float64) * 3 - 0.5
+    noise = torch.randn(5, 5, generator=gen, dtype=torch.float64) * 0.3
+    marks = _t([[1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 0, 0, 0],
+                [0, 1, 1, 1, 0]])  # fmt: skip
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
+                         [1, 1, 1, 1, 0]], dtype=torch.bool)  # fmt: skip
+    target = torch.tensor([0.2, 1.0, 1.0, -1.0, 0.2], dtype=torch.float64)
+    adv_row = torch.tensor([0.7, -1.3, 0.9, 0.4, -0.6], dtype=torch.float64)
+    # Centre each row's marked noise so the marked mean log-ratio is exactly `target`.
+    centred = noise - (noise * marks).sum(1, keepdim=True) / marks.sum(1, keepdim=True)
+    lp = (sampler + target[:, None] + centred).detach().requires_grad_(True)
+    adv = adv_row[:, None] * marks
+    inputs = {"logprobs": sampler, "advantages": adv, "sequence_ratio_mask": marks}
+    cfg = {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
+    _gradcheck("gspo", lp, inputs, mask, cfg)
+    # The clipped row really has no gradient and the others do (the check is not vacuous).
+    (g,) = torch.autograd.grad(compute_loss("gspo", lp, inputs, mask, cfg).loss, lp)
+    assert g[2].abs().sum().item() == 0.0
+    assert all(g[r].abs().sum().item() > 0.1 for r in (0, 1, 3, 4))
+
+
 # --- config validation ------------------------------------------------------------------------
 
 
@@ -251,7 +332,15 @@ def test_config_defaults_are_filled() -> None:
 @pytest.mark.parametrize(
     ("loss_fn", "config", "needle"),
     [
-        ("gspo", None, "loss_fn 'gspo'"),
+        ("stable_reinforce", None, "loss_fn 'stable_reinforce' is not supported by this backend: "
+         "Tinker publishes its sampling-side inputs"),
+        ("gspo", None, "loss_fn_config['clip_low_threshold'] is required by loss 'gspo'"),
+        ("gspo", {"clip_low_threshold": 0.8},
+         "loss_fn_config['clip_high_threshold'] is required by loss 'gspo'"),
+        ("gspo", {**GSPO_CLIP, "kl_coeff": 0.1}, "keys ['kl_coeff'] are not valid for loss 'gspo'"),
+        ("gspo", {"clip_low_threshold": 1.1, "clip_high_threshold": 1.2},
+         "clip_low_threshold=1.1"),
+        ("sft", None, "loss_fn 'sft' is not supported"),
         ("ppo", {"clip_ratio": 0.2}, "'clip_ratio'"),
         ("cross_entropy", {"clip_low_threshold": 0.9}, "'clip_low_threshold'"),
         ("importance_sampling", {"beta": 0.1}, "'beta'"),
@@ -418,3 +507,24 @@ def test_validate_datum_rejects_extra_keys_bad_shapes_and_tokens() -> None:
         validate_datum_inputs("cross_entropy", 0, {"target_tokens": np.array([], dtype=np.int64)})
     with pytest.raises(LossInputError, match="loss_fn 'custom' is not supported"):
         validate_datum_inputs("custom", 3, _rl_datum())
+
+
+def test_validate_datum_gspo_needs_a_marked_sequence_ratio_mask() -> None:
+    datum = _rl_datum(3)
+    with pytest.raises(LossInputError) as info:
+        validate_datum_inputs("gspo", 3, datum, index=5)
+    assert str(info.value) == (
+        "datum 5: loss_fn_inputs['sequence_ratio_mask'] is required by loss 'gspo'"
+    )
+    datum["sequence_ratio_mask"] = np.zeros(3, dtype=np.float32)
+    with pytest.raises(LossInputError) as info:
+        validate_datum_inputs("gspo", 3, datum, index=2)
+    assert str(info.value).startswith(
+        "datum 2: loss_fn_inputs['sequence_ratio_mask'] marks no token (all zeros)"
+    )
+    datum["sequence_ratio_mask"] = np.array([0.0, 1.0, 1.0], dtype=np.float32)
+    validate_datum_inputs("gspo", 3, datum, index=2)
+    with pytest.raises(LossInputError, match=r"keys \['sequence_ratio_mask'\] are not accepted"):
+        validate_datum_inputs("ppo", 3, datum)
+    with pytest.raises(LossInputError, match="loss_fn 'stable_reinforce' is not supported"):
+        validate_datum_inputs("stable_reinforce", 3, _rl_datum())

@@ -101,6 +101,8 @@ def batches(draw):
         inputs = {"target_tokens": np.array(targets, np.int64)}
         for name in REQUIRED_INPUTS[loss]:
             values = draw(st.lists(finite_f32, min_size=length, max_size=length))
+            if name == "sequence_ratio_mask" and not any(values):
+                values[0] = 1.0  # gspo: an all-zero mask is invalid (losses.validate_datum_inputs)
             inputs[name] = np.array(values, np.float32)
         data.append(_datum(chunks, inputs))
     config = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5} if loss == "ppo" else None

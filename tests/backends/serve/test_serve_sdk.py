@@ -5,9 +5,12 @@ import asyncio
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
+from tinker.types import RequestErrorCategory
 
 from oneloop.backends import BackendConfig, connect
+from oneloop.backends.megatron_local.losses import compute_loss
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 from oneloop.backends.sequence_ids import sampled_version
 from oneloop.tiny.model import TINY_MODEL_NAME
@@ -283,3 +286,105 @@ def test_finished_session_rejects_heartbeats(server, backend):
         timeout=30,
     )
     assert r.status_code == 410
+
+
+# SDK 0.38's newer built-in losses, on the same server and training client (last in this file: the
+# gspo step moves the weights). `gspo` is computed by the trainer (checked against
+# `losses.compute_loss` on the logprobs the server returns, and by the step it takes);
+# `stable_reinforce` and `record_stability_info` are refused with their reason as a 4xx (the
+# loss's objective is unpublished: `losses.py`), never a 5xx the SDK would retry.
+GSPO_CLIP = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+
+
+def _gspo_batch(seed: int, marks_per_datum: list[list[float]]) -> list[types.Datum]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for marks in marks_per_datum:
+        n = len(marks)
+        tokens = rng.integers(300, 1000, n + 1).tolist()
+        inputs = {
+            "target_tokens": np.array(tokens[1:], np.int64),
+            "logprobs": rng.uniform(-8.0, -5.0, n).astype(np.float32),
+            "advantages": rng.normal(size=n).astype(np.float32),
+            "sequence_ratio_mask": np.array(marks, np.float32),
+        }
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs=inputs))  # fmt: skip
+    return data
+
+
+def _expected(data: list[types.Datum], logprobs: list[np.ndarray]) -> tuple[float, float]:
+    """gspo's summed loss and clipped-token count on the trainer's own logprobs, per datum."""
+    total = clipped = 0.0
+    for datum, lp in zip(data, logprobs, strict=True):
+        inputs = {k: torch.from_numpy(v.to_numpy()).double()[None]
+                  for k, v in datum.loss_fn_inputs.items() if k != "target_tokens"}  # fmt: skip
+        lp_t = torch.from_numpy(np.asarray(lp, np.float64))[None]
+        mask = torch.ones_like(lp_t, dtype=torch.bool)
+        result = compute_loss("gspo", lp_t, inputs, mask, GSPO_CLIP)
+        total += result.loss.item()
+        clipped += result.metrics["clipped_tokens:sum"]
+    return total, clipped
+
+
+def test_gspo_forward_backward_through_the_sdk(training):
+    # Unequal lengths (a ragged body), prompt-like unmarked positions, one datum fully marked.
+    data = _gspo_batch(0, [[0, 0, 1, 1, 1], [1, 1, 1], [0, 1, 1, 1, 1, 1, 1]])
+    out = training.forward_backward(data, "gspo", GSPO_CLIP).result(timeout=300)
+    logprobs = [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+    assert [len(lp) for lp in logprobs] == [5, 3, 7]
+    loss, clipped = _expected(data, logprobs)
+    assert out.metrics["loss:sum"] == pytest.approx(loss, rel=1e-4, abs=1e-4)
+    assert out.metrics["clipped_tokens:sum"] == clipped
+    # The sampler logprobs (-8..-5) are far below the tiny model's, so every sequence ratio is far
+    # above 1.1: clipping is exercised, and the unclipped negative-advantage tokens still train.
+    assert clipped == 15.0
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=300)
+    after = training.forward(data, "gspo", GSPO_CLIP).result(timeout=300)
+    moved = [np.abs(o["logprobs"].to_numpy() - lp).max()
+             for o, lp in zip(after.loss_fn_outputs, logprobs, strict=True)]  # fmt: skip
+    assert max(moved) > 1e-4
+
+
+def _refused(future, needle: str) -> str:
+    """The user-error message a training call fails with: the server answers a bad
+    forward_backward through its future (category User, which the SDK does not retry)."""
+    with pytest.raises(tinker.RequestFailedError) as info:
+        future.result(timeout=300)
+    assert info.value.category == RequestErrorCategory.User
+    assert needle in info.value.message
+    return info.value.message
+
+
+def test_gspo_bad_requests_are_user_errors_naming_the_field(training):
+    # All-zero mask on datum 1: the fast decoder declines it, the reference path names it.
+    data = _gspo_batch(1, [[1, 1, 1], [0, 0, 0]])
+    _refused(training.forward_backward(data, "gspo", GSPO_CLIP),
+             "datum 1: loss_fn_inputs['sequence_ratio_mask'] marks no token (all zeros)")
+    ok = _gspo_batch(1, [[1, 1, 1]])
+    _refused(training.forward_backward(ok, "gspo"),
+             "loss_fn_config['clip_low_threshold'] is required by loss 'gspo'")
+    no_mask = [types.Datum(model_input=d.model_input,
+                           loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items()
+                                           if k != "sequence_ratio_mask"}) for d in ok]
+    _refused(training.forward_backward(no_mask, "gspo", GSPO_CLIP),
+             "loss_fn_inputs['sequence_ratio_mask'] is required by loss 'gspo'")  # fmt: skip
+
+
+def test_stable_reinforce_and_record_stability_info_are_refused_with_the_reason(training):
+    data = _gspo_batch(2, [[1, 1, 1]])
+    for datum in data:
+        del datum.loss_fn_inputs["sequence_ratio_mask"]
+    _refused(training.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.1}),
+             "'stable_reinforce' is not supported")  # fmt: skip
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result(
+        timeout=300
+    )
+    prompt = types.ModelInput.from_ints([301, 302, 303])
+    params = types.SamplingParams(max_tokens=2, seed=1)
+    with pytest.raises(tinker.BadRequestError,
+                       match="record_stability_info: not supported by the local backend"):
+        sampler.sample(prompt, num_samples=1, sampling_params=params).result(timeout=300)
+    plain = training.save_weights_and_get_sampling_client().result(timeout=300)
+    resp = plain.sample(prompt, num_samples=2, sampling_params=params).result(timeout=300)
+    assert len({s.sequence_id for s in resp.sequences}) == 2

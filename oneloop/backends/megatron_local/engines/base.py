@@ -14,7 +14,7 @@ Optional capabilities are small protocols the actors test with `isinstance`:
 - `CudaWeightSink` (sampler): takes weights into its CUDA parameters, packed to its parameter
   layout and shared over CUDA IPC or received over an NCCL weight group (vllm);
 - `ConcurrentSampler` (sampler): any number of threads may call at once and the engine batches
-  concurrent requests itself (vllm).
+  concurrent requests itself (vllm; torch).
 
 Engines are plain single-process objects; the Ray actors in `actors.py` host them and the clients
 give them Tinker's surface. Data crossing the seam is numpy, never tinker types.
@@ -265,8 +265,8 @@ class CudaWeightSink(Protocol):
 @runtime_checkable
 class ConcurrentSampler(Protocol):
     """A sampler engine any number of threads may call at once, batching concurrent requests
-    itself (vllm): the actor runs its calls without a lock and awaits `submit_sample` instead of
-    holding a thread per request."""
+    itself (vllm; torch): the actor runs its calls without a lock and awaits `submit_sample`
+    instead of holding a thread per request."""
 
     def submit_sample(self, key: str, request: SampleRequest) -> "Future[SampleOutput]":
         """Like `sample`, but returns a future at once (await it with `asyncio.wrap_future`)."""

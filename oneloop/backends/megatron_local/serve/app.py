@@ -7,8 +7,8 @@ Routes (method, path -> body type -> answer):
   sessions/{id}/finish; GET healthz, get_server_capabilities.
 - POST create_model, load_weights, forward_backward (protobuf, optionally `Content-Encoding:
   zstd`; `forward_only` selects `forward`), optim_step, save_weights, save_weights_for_sampler,
-  asample -> `UntypedAPIFuture`; POST get_info, weights_info, create_sampling_session and
-  GET samplers/{id} answer directly.
+  asample, unload_model (releases the model's trainer) -> `UntypedAPIFuture`; POST get_info,
+  weights_info, create_sampling_session and GET samplers/{id} answer directly.
 - POST retrieve_future: long poll (`long_poll_s`), 408 + `TryAgainResponse` while running,
   then the result (protobuf for Sample/ForwardBackward) or `{error, category}`;
   POST cancel_future.
@@ -56,6 +56,8 @@ from oneloop.errors import WireError
 
 logger = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 10.0
+"""Default period of the sweeper (expired results, stale gaps, session expiry, idle trainers);
+shorter when the lifecycle bounds are short (`LifecycleLimits.sweep_interval_s`)."""
 
 
 def _json(model: pydantic.BaseModel | dict[str, Any] | None, status: int = 200) -> Response:
@@ -105,9 +107,11 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        interval_s = service.trainers.limits.sweep_interval_s(SWEEP_INTERVAL_S)
+
         async def sweep() -> None:
             while True:
-                await asyncio.sleep(SWEEP_INTERVAL_S)
+                await asyncio.sleep(interval_s)
                 service.sweep(gap_timeout_s)
 
         task = asyncio.create_task(sweep(), name="serve:sweeper")
@@ -186,6 +190,11 @@ def build_app(
     @app.post(f"{v1}/create_model")
     async def create_model(request: Request) -> Response:
         return _json(service.create_model(parse_json(types.CreateModelRequest,
+                                                     await request.body())))
+
+    @app.post(f"{v1}/unload_model")
+    async def unload_model(request: Request) -> Response:
+        return _json(service.unload_model(parse_json(types.UnloadModelRequest,
                                                      await request.body())))
 
     @app.post(f"{v1}/get_info")
@@ -297,8 +306,11 @@ def build_app(
     @app.get(f"{v1}/training_runs/{{run_id}}/checkpoints")
     async def run_checkpoints(run_id: str) -> Response:
         run_id = service.registry.run_id_of(check_run_id(run_id, "training_run_id"))
-        return _json(types.CheckpointsListResponse(
-            checkpoints=service.checkpoints.checkpoints(run_id)))
+        checkpoints = service.checkpoints.checkpoints(run_id)
+        if not checkpoints and service.registry.slot_of_run(run_id) is None:
+            # As `training_runs/{id}`: a run neither live nor saved is unknown, not empty.
+            raise WireError(f"training_run_id: unknown training run {run_id!r}", 404)
+        return _json(types.CheckpointsListResponse(checkpoints=checkpoints))
 
     @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str) -> Response:

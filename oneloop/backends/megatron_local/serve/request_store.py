@@ -113,6 +113,11 @@ class FutureStore:
         self._entries[request_id] = _Entry(request_type=request_type, created=self._clock())
         return request_id
 
+    def pending(self, request_id: str) -> bool:
+        """Whether the request is known and has no outcome yet (still queued or running)."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.outcome is None
+
     def discard(self, request_id: str) -> None:
         """Forget a request that was never acknowledged to the client."""
         self._entries.pop(request_id, None)

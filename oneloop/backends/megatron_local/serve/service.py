@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ import numpy as np
 import pydantic
 from tinker import types
 
+from oneloop.backends.megatron_local.sampling_client import STABILITY_INFO_REFUSAL
 from oneloop.backends.megatron_local.serve.codec.fast_scan import ScannedForwardBackward
 from oneloop.backends.megatron_local.serve.codec.forward_backward_encoder import (
     encode_forward_backward_output,
@@ -46,6 +48,7 @@ from oneloop.backends.megatron_local.serve.codec.sample_versions import (
     check_fixed_version,
     sampled_versions,
 )
+from oneloop.backends.megatron_local.serve.lifecycle import LifecycleLimits, TrainerReleaser
 from oneloop.backends.megatron_local.serve.request_store import (
     FutureStore,
     Job,
@@ -119,7 +122,8 @@ def _quiet(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
 class ServeService:
     """State and handlers of one `oneloop serve` process; use from its event loop only."""
 
-    def __init__(self, backend: Any, limits: Limits, *, result_ttl_s: float = 3600.0) -> None:
+    def __init__(self, backend: Any, limits: Limits, *, result_ttl_s: float = 3600.0,
+                 lifecycle: LifecycleLimits | None = None) -> None:
         self.backend = backend
         self.limits = limits
         self.store = FutureStore(
@@ -127,6 +131,8 @@ class ServeService:
             failure_body=lambda m, c: json.dumps(failed_future_body(m, c)).encode(),
         )
         self.registry = Registry()
+        self.trainers = TrainerReleaser(backend, self.registry, lifecycle or LifecycleLimits(),
+                                        pending=self.store.pending)
         self.checkpoints = CheckpointStore(backend.run_dir)
         self.internal_errors = 0
         """Requests answered 500 (a bug: the SDK retries 5xx silently, so tests check this)."""
@@ -149,7 +155,7 @@ class ServeService:
             raise WireError(f"session_id: unknown session {req.session_id!r}", 404)
         if session.finished is not None:
             raise WireError(f"session_id: session {req.session_id} is finished", 410)
-        session.last_heartbeat = asyncio.get_running_loop().time()
+        session.last_heartbeat = time.monotonic()
         return types.SessionHeartbeatResponse()
 
     def finish(self, session_id: str, reason: str, detail: str | None) -> None:
@@ -158,6 +164,7 @@ class ServeService:
             raise WireError(f"session_id: unknown session {session_id!r}", 404)
         if session.finished is None:  # first reason wins
             session.finished, session.detail = reason, detail
+        self.trainers.release_session(session_id, f"session {session_id} finished")
 
     # -- training models -------------------------------------------------------------------------
 
@@ -174,6 +181,7 @@ class ServeService:
             return types.UntypedAPIFuture(
                 request_id=existing.creation_request_id, model_id=model_id
             )
+        self.trainers.check_capacity(request_type)
         request_id = self.store.new(request_type)
         client: asyncio.Future[Any] = _quiet(asyncio.get_running_loop().create_future())
         sequencer = ModelSequencer(
@@ -181,9 +189,12 @@ class ServeService:
             submit_timeout_s=self.limits.submit_timeout_s,
             result_timeout_s=self.limits.result_timeout_s,
         )
-        self.registry.models[model_id] = ModelSlot(
+        slot = ModelSlot(
             model_id, session_id, payload, request_id, client, sequencer, base_model, user_metadata
         )
+        self.registry.models[model_id] = slot
+        # The idle clock (`trainer_idle_s`) starts when the trainer is ready, not while it starts.
+        client.add_done_callback(lambda _: setattr(slot, "last_request", time.time()))
         work = _quiet(asyncio.ensure_future(self._call(create)))
         work.add_done_callback(lambda done: _settle(client, done))
         self.store.start(request_id, work, encode)
@@ -279,6 +290,7 @@ class ServeService:
             return Job(request_id, submit, encode)
 
         request_id = slot.sequencer.offer(seq_id, digest(payload), request_type, make_job)
+        slot.requests.append(request_id)  # a model with one running is not idle
         return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
     def forward_backward(self, req: DecodedForwardBackward | ScannedForwardBackward,
@@ -423,8 +435,10 @@ class ServeService:
         if req.sampling_session_id is None or req.seq_id is None:
             raise WireError("sampling_session_id, seq_id: required (sample through a sampling "
                             "session from create_sampling_session)")
+        if req.record_stability_info:
+            raise WireError(STABILITY_INFO_REFUSAL)
         for name in ("topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs",
-                     "record_stability_info", "topk_prompt_logprobs"):
+                     "topk_prompt_logprobs"):
             if getattr(req, name):
                 raise WireError(f"{name}: not supported by the local backend's samplers")
         if not 1 <= req.num_samples <= MAX_SAMPLES_PER_REQUEST:
@@ -503,12 +517,25 @@ class ServeService:
     async def retrieve(self, req: types.FutureRetrieveRequest) -> Outcome | None:
         return await self.store.wait(req.request_id, self.limits.long_poll_s)
 
+    def unload_model(self, req: types.UnloadModelRequest) -> types.UntypedAPIFuture:
+        """Release a model's trainer now; the result (`UnloadModelResponse`) is ready once it
+        has stopped. Its later requests get a 410."""
+        slot = self.registry.model(req.model_id)
+        self.trainers.release(slot, f"unloaded by request ({req.model_id})")
+        request_id = self.store.new("UnloadModel")
+        self.store.start(request_id, asyncio.ensure_future(self.trainers.wait_released(slot)),
+                         lambda _: json_outcome(types.UnloadModelResponse(model_id=req.model_id,
+                                                                          type="unload_model")))
+        return types.UntypedAPIFuture(request_id=request_id, model_id=req.model_id)
+
     def sweep(self, gap_timeout_s: float) -> None:
+        self.trainers.sweep()
         self.store.sweep()
         for slot in self.registry.models.values():
             slot.sequencer.fail_stale_gaps(gap_timeout_s)
 
     async def close(self) -> None:
+        await self.trainers.close(timeout_s=5.0)
         for slot in self.registry.models.values():
             await slot.sequencer.close()
         await self.store.close(timeout_s=5.0)

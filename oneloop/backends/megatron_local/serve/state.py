@@ -1,7 +1,11 @@
 """What `oneloop serve` remembers: sessions, training models, samplers, and saved checkpoints.
 
 Sessions, models and samplers live in memory for the life of the server (the SDK re-creates
-them after a restart). Checkpoints live on disk where the local backend saves them,
+them after a restart). A model's trainer is released (its slot stays, marked with why, so a
+later request gets a clear 410) when its session finishes or expires, when it is unloaded, or
+when it sits idle; `Registry.live_models` counts the ones that still hold a trainer (the cap).
+
+Checkpoints live on disk where the local backend saves them,
 `<run_dir>/<run>/<weights|sampler_weights>/<name>/meta.json`, so listing and deleting them
 works across restarts; `checkpoints.TinkerPath` guarantees every path stays inside `run_dir`.
 
@@ -53,6 +57,10 @@ class ModelSlot:
     base_model: str | None
     user_metadata: dict[str, Any] | None
     last_request: float = field(default_factory=time.time)
+    requests: list[str] = field(default_factory=list)
+    """Ids of its ordered requests not yet seen finished (pruned by the idle sweep)."""
+    released: str | None = None
+    """Why the model's trainer was released (session finished, unloaded, idle), None while live."""
 
     @property
     def backend(self) -> Any | None:
@@ -104,8 +112,30 @@ class Registry:
         if slot is None:
             raise WireError(f"model_id: unknown model {model_id!r}", 404)
         self.session(slot.session_id, "model_id")
+        if slot.released is not None:
+            raise WireError(f"model_id: model {model_id} was released ({slot.released}); create "
+                            "a training client again (from a saved state to continue)", 410)
         slot.last_request = time.time()
         return slot
+
+    def live_models(self) -> list[ModelSlot]:
+        """Models that hold (or are starting) a trainer: not released, creation not failed."""
+        return [s for s in self.models.values() if s.released is None and not (
+            s.client.done() and (s.client.cancelled() or s.client.exception() is not None))]
+
+    def models_of(self, session_id: str) -> list[ModelSlot]:
+        return [s for s in self.models.values() if s.session_id == session_id]
+
+    def expired_sessions(self, now: float, expiry_s: float) -> list[Session]:
+        """Unfinished sessions whose last heartbeat (`time.monotonic`) is over `expiry_s` old."""
+        return [s for s in self.sessions.values()
+                if s.finished is None and now - s.last_heartbeat > expiry_s]
+
+    def idle_models(self, now: float, idle_s: float) -> list[ModelSlot]:
+        """Live, ready models whose last request (`time.time`) is over `idle_s` old (a trainer
+        still starting is never idle)."""
+        return [s for s in self.live_models()
+                if s.client.done() and now - s.last_request > idle_s]
 
     def sampler(self, sampler_id: str) -> SamplerSlot:
         slot = self.samplers.get(sampler_id)

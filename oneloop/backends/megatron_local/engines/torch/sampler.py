@@ -1,18 +1,35 @@
 """Sampler engine `torch`: transformers generation from token ids with per-token logprobs.
 
 - Weight sets are named (`base`, one inflight set per training model, snapshots); the model holds
-  one at a time and switches by `load_state_dict` (cheap at the sizes this engine serves).
-- A request's `num_samples` sequences are one batch over the same prompt; row i draws from its own
-  `torch.Generator` seeded from (`seed`, i): same seed ⇒ same tokens, and sample i does not depend
-  on num_samples. Requests are never mixed into one batch, so a request's tokens do not depend on
-  what else is queued.
+  one at a time and switches by `load_state_dict` (cheap at the sizes this engine serves). Weights
+  only move forward: installing a version older than the one held under a key is a no-op.
+- Concurrent requests are batched (`base.ConcurrentSampler`): `submit_sample` queues a request and
+  returns a future; one worker thread takes whatever is waiting (once the first request of an idle
+  spell arrives it gathers while more keep arriving: `GATHER_S`, `MAX_GATHER_S`) and runs the
+  requests of one weight set as one padded batch: prompts left-padded under an attention mask, one
+  prefill, then one decode step per token for every row of every request; a finished row leaves
+  the batch. `sample` runs one request on the calling thread. A lock guards the model, so a weight
+  update lands between batches.
+- Determinism: row i of a request draws from its own `torch.Generator` seeded from (`seed`, i),
+  and temperature / top-k / top-p / the draw act row by row. Same seed ⇒ same tokens, whether the
+  request runs alone or batched with others, and sample i does not depend on num_samples. (Batch
+  shape and padding move the logits' float rounding by ~1e-6, never the draw's random stream.)
+- Isolation: a request that fails its checks (token ids outside the vocabulary, ...) fails alone
+  before any batch runs; a batch that raises anyway is rerun request by request, so only the
+  request that fails gets the error. `batch_history` records the requests per batch.
 - Returned logprobs are the model's raw (temperature 1, unfiltered) log-probabilities of the sampled
   tokens, the same quantity the trainer computes; temperature / top-k / top-p only shape the draw.
 - Stops: `stop=None` stops on the model's EOS ids; token-id stops end on (and include) that token;
   string stops end on the token whose decoding completes the string (included).
 """
 
-from collections import OrderedDict
+import inspect
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +49,37 @@ from oneloop.backends.megatron_local.engines.hf import (
     token_logprobs,
     untie_embeddings,
 )
-from oneloop.errors import RequestError
+from oneloop.errors import BackendError, RequestError
 
 BASE_KEY = "base"
+GATHER_S = 0.005
+"""How long the worker waits for one more request once the first of an idle spell arrives, and
+again after each arrival: callers that fire together (one Ray actor call each) land within a few
+ms of each other; 5 ms is small beside one request's generation, and requests that come while a
+batch runs join the next batch anyway."""
+MAX_GATHER_S = 0.05
+"""The most a batch waits for requests still arriving (a burst through `oneloop serve` spreads
+over tens of ms: cut short, it ran as two batches, twice the time of one)."""
+MAX_BATCH_ROWS = 64
+"""Sequences (sum of num_samples) per batch; a larger single request still runs, alone."""
+MAX_BATCH_PROMPT_TOKENS = 32768
+"""Padded prompt tokens per batch's prefill (requests × longest prompt): bounds padding waste and
+the prefill's activations; a longer single request still runs, alone."""
+IDLE_POLL_S = 1.0  # the worker's bounded wait on an empty queue, between checks of `close()`
+CLOSE_TIMEOUT_S = 30.0  # how long `close()` waits for the batch in progress to finish
+
+
+@dataclass
+class _Queued:
+    """A request waiting for the worker, and the future its caller holds."""
+
+    key: str
+    request: SampleRequest
+    future: Future
 
 
 class TorchSamplerEngine(SamplerEngine):
-    """See the module docstring."""
+    """See the module docstring (a `ConcurrentSampler`)."""
 
     def __init__(
         self,
@@ -53,6 +94,9 @@ class TorchSamplerEngine(SamplerEngine):
         self.device = torch.device(device)
         self.model = untie_embeddings(load_causal_lm(model_path, dtype)).to(self.device).eval()
         self.cache_kwarg = cache_kwarg(self.model)
+        # Prefill computes the last position's logits only, unless a request wants the prompt's.
+        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -65,6 +109,13 @@ class TorchSamplerEngine(SamplerEngine):
         self.serves_adapters = False  # merged weights only
         self.sync_history: list = []  # keeps no records of weight updates
         self.loaded_key = BASE_KEY
+        self.lock = threading.RLock()  # the model and the weight sets
+        self.batch_history: deque[int] = deque(maxlen=1024)  # requests per batch, newest last
+        self.failed_requests = 0  # requests that ended in an error (checks, weights, generation)
+        self._queue: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._worker_lock = threading.Lock()
+        self._closed = False
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -77,12 +128,16 @@ class TorchSamplerEngine(SamplerEngine):
                 f"weights for {key!r} do not match the sampler's model: "
                 f"unexpected {sorted(extra)[:3]}, missing {sorted(missing)[:3]}"
             )
-        self.weight_sets[key] = (tensors, version)
-        self.weight_sets.move_to_end(key)
-        self.evicted.discard(key)
-        if self.loaded_key == key:
-            self.loaded_key = ""  # force a reload on next use
-        self._evict()
+        with self.lock:
+            held = self.weight_sets.get(key)
+            if held is not None and held[1] > version:
+                return  # a newer version got here first (updates may race without the actor lock)
+            self.weight_sets[key] = (tensors, version)
+            self.weight_sets.move_to_end(key)
+            self.evicted.discard(key)
+            if self.loaded_key == key:
+                self.loaded_key = ""  # force a reload on next use
+            self._evict()
 
     def _evict(self) -> None:
         snapshots = [k for k in self.weight_sets if k.startswith("snapshot:")]
@@ -93,7 +148,8 @@ class TorchSamplerEngine(SamplerEngine):
 
     def drop_weights(self, key: str) -> None:
         if key != BASE_KEY:
-            self.weight_sets.pop(key, None)
+            with self.lock:
+                self.weight_sets.pop(key, None)
 
     def has_weights(self, key: str) -> bool:
         return key in self.weight_sets
@@ -103,6 +159,7 @@ class TorchSamplerEngine(SamplerEngine):
         return self.weight_sets[key][1]
 
     def _use(self, key: str) -> int:
+        """Load weight set `key` into the model (the caller holds `lock`); its version."""
         if key not in self.weight_sets:
             if key in self.evicted:
                 raise RequestError(
@@ -117,72 +174,293 @@ class TorchSamplerEngine(SamplerEngine):
             self.loaded_key = key
         return version
 
+    # -- requests --------------------------------------------------------------------------------
+
+    def sample(self, key: str, request: SampleRequest) -> SampleOutput:
+        """One request at once on the calling thread (a batch of one)."""
+        try:
+            self._check(request)
+            return self._sample_batch(key, [request])[0]
+        except Exception:
+            self.failed_requests += 1
+            raise
+
+    def submit_sample(self, key: str, request: SampleRequest) -> "Future[SampleOutput]":
+        """Queue `request` for the batching worker; a future of its output (or its error)."""
+        if self._closed:
+            raise BackendError("the torch sampler engine is closed")
+        future: Future[SampleOutput] = Future()
+        try:
+            self._check(request)
+        except RequestError as error:
+            self.failed_requests += 1
+            future.set_exception(error)
+            return future
+        self._queue.put(_Queued(key, request, future))
+        with self._worker_lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(
+                    target=self._serve, name="torch-sampler-batcher", daemon=True
+                )
+                self._worker.start()
+        return future
+
+    def close(self) -> None:
+        """Stop the worker (bounded wait); requests still queued fail with a BackendError."""
+        self._closed = True
+        self._queue.put(None)
+        worker = self._worker
+        if worker is not None:
+            worker.join(timeout=CLOSE_TIMEOUT_S)
+        self._fail_queued()
+
+    def _check(self, request: SampleRequest) -> None:
+        """What would break a whole batch, refused for this request alone."""
+        prompt = request.prompt
+        if prompt.ndim != 1 or prompt.shape[0] < 1:
+            raise RequestError(f"prompt: must be a non-empty 1-D array, got shape {prompt.shape}")
+        low, high = int(prompt.min()), int(prompt.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise RequestError(
+                f"prompt: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})"
+            )
+        if request.num_samples < 1 or request.max_tokens < 1:
+            raise RequestError(
+                f"num_samples and max_tokens: must be >= 1, got {request.num_samples} and "
+                f"{request.max_tokens}"
+            )
+        if not request.temperature >= 0 or not 0 < request.top_p <= 1:  # NaN fails too
+            raise RequestError(
+                f"sampling_params: temperature must be >= 0 and top_p in (0, 1], got "
+                f"{request.temperature} and {request.top_p}"
+            )
+
+    # -- the batching worker ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        waiting: list[_Queued] = []
+        while not self._closed:
+            if not waiting:
+                try:
+                    item = self._queue.get(timeout=IDLE_POLL_S)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    break
+                waiting.append(item)
+                self._gather(waiting, GATHER_S)
+            else:
+                self._gather(waiting, 0.0)  # whatever arrived while the last batch ran
+            batch = self._take_batch(waiting)
+            try:
+                self._run_batch(batch)
+            except Exception as error:  # a bug here must not strand the callers
+                for item in batch:
+                    if not item.future.done():
+                        self._fail(item.future, error)
+        for item in waiting:
+            self._fail(item.future, BackendError("the torch sampler engine is closed"))
+        self._fail_queued()
+
+    def _gather(self, waiting: list[_Queued], window_s: float) -> None:
+        """Move queued requests into `waiting` until a batch is full or none arrives within
+        `window_s` of the last (0: only what is queued now), `MAX_GATHER_S` at most in all."""
+        cap = time.monotonic() + MAX_GATHER_S
+        while sum(i.request.num_samples for i in waiting) < MAX_BATCH_ROWS:
+            timeout = min(window_s, cap - time.monotonic())
+            try:
+                item = self._queue.get(timeout=max(0.0, timeout))
+            except queue.Empty:
+                return
+            if item is None:
+                self._closed = True
+                return
+            waiting.append(item)
+
+    @staticmethod
+    def _take_batch(waiting: list[_Queued]) -> list[_Queued]:
+        """The oldest request and those after it on the same weight set that fit in one batch,
+        removed from `waiting` (the rest wait for the next batch, order kept)."""
+        key = waiting[0].key
+        batch: list[_Queued] = []
+        rows = width = 0
+        for item in list(waiting):
+            if item.key != key:
+                continue
+            n, p = item.request.num_samples, len(item.request.prompt)
+            fits = rows + n <= MAX_BATCH_ROWS
+            fits = fits and (len(batch) + 1) * max(width, p) <= MAX_BATCH_PROMPT_TOKENS
+            if batch and not fits:
+                break
+            batch.append(item)
+            waiting.remove(item)
+            rows, width = rows + n, max(width, p)
+        return batch
+
+    def _run_batch(self, items: list[_Queued]) -> None:
+        """Run `items` as one batch and settle their futures; cancelled ones are skipped."""
+        items = [i for i in items if i.future.set_running_or_notify_cancel()]
+        if not items:
+            return
+        key = items[0].key
+        try:
+            outputs = self._sample_batch(key, [i.request for i in items])
+        except Exception as error:
+            if len(items) == 1:
+                self._fail(items[0].future, error)
+                return
+            for item in items:  # request by request: only the request that fails gets the error
+                try:
+                    output = self._sample_batch(key, [item.request])[0]
+                except Exception as alone:
+                    self._fail(item.future, alone)
+                else:
+                    item.future.set_result(output)
+            return
+        for item, output in zip(items, outputs, strict=True):
+            item.future.set_result(output)
+
+    def _fail(self, future: Future, error: BaseException) -> None:
+        """Settle `future` with `error` (unless its caller cancelled it while it was queued)."""
+        self.failed_requests += 1
+        if future.running() or future.set_running_or_notify_cancel():
+            future.set_exception(error)
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._fail(item.future, BackendError("the torch sampler engine is closed"))
+
+    def _sample_batch(self, key: str, requests: list[SampleRequest]) -> list[SampleOutput]:
+        with self.lock:
+            version = self._use(key)
+            self.batch_history.append(len(requests))
+            return self._generate(requests, version)
+
     # -- generation ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def sample(self, key: str, request: SampleRequest) -> SampleOutput:
-        version = self._use(key)
-        n = request.num_samples
-        prompt = torch.from_numpy(request.prompt.astype(np.int64)).to(self.device)
-        seed = request.seed if request.seed is not None else int.from_bytes(np.random.bytes(7))
-        generators = [self._generator(seed, row) for row in range(n)]
+    def _generate(self, requests: list[SampleRequest], version: int) -> list[SampleOutput]:
+        """All sequences of `requests` as one batch (see the module docstring)."""
+        device = self.device
+        lengths = [int(r.prompt.shape[0]) for r in requests]
+        width = max(lengths)
+        ids = torch.zeros((len(requests), width), dtype=torch.long)  # left padding, masked
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for j, request in enumerate(requests):
+            ids[j, width - lengths[j] :] = torch.from_numpy(request.prompt.astype(np.int64))
+            mask[j, width - lengths[j] :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        want_prompt = any(r.include_prompt_logprobs for r in requests)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=prompt[None, :], use_cache=True, **{self.cache_kwarg: cache})
-        prompt_lp = None
-        if request.include_prompt_logprobs:
-            prompt_lp = self._prompt_logprobs_from(out.logits[0], prompt)
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1, :].expand(n, -1)
-        tokens = torch.zeros(n, request.max_tokens, dtype=torch.long)
-        logprobs = torch.zeros(n, request.max_tokens, dtype=torch.float32)
-        lengths = torch.full((n,), request.max_tokens, dtype=torch.long)
-        done = torch.zeros(n, dtype=torch.bool)
-        stop_reason = ["length"] * n
-        stop_ids = set(request.stop_token_ids)
-        position = prompt.shape[0]
-        for step in range(request.max_tokens):
-            chosen = self._draw(logits, request, generators)
-            lp = token_logprobs(logits, chosen)
-            tokens[:, step] = chosen.cpu()
-            logprobs[:, step] = lp.cpu()
-            for row in range(n):
-                if done[row]:
-                    continue
-                if self._stops(int(chosen[row]), tokens[row, : step + 1], stop_ids, request):
-                    done[row] = True
-                    lengths[row] = step + 1
-                    stop_reason[row] = "stop"
-            if bool(done.all()) or step + 1 == request.max_tokens:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            **({} if want_prompt or not self.keeps_logits else {"logits_to_keep": 1}),
+            **{self.cache_kwarg: cache},
+        )
+        prompt_lp = [
+            self._prompt_logprobs_from(out.logits[j, width - n :], ids[j, width - n :])
+            if r.include_prompt_logprobs
+            else None
+            for j, (r, n) in enumerate(zip(requests, lengths, strict=True))
+        ]
+        # One row per sequence, a request's rows adjacent; `active` = rows still generating.
+        owner = [j for j, r in enumerate(requests) for _ in range(r.num_samples)]
+        generators = []
+        for request in requests:
+            seed = request.seed if request.seed is not None else int.from_bytes(np.random.bytes(7))
+            generators += [self._generator(seed, i) for i in range(request.num_samples)]
+        rows = torch.tensor(owner, device=device)
+        cache.batch_select_indices(rows)
+        logits, mask = out.logits[:, -1, :][rows], mask[rows]
+        del out
+        positions = torch.tensor([lengths[j] for j in owner], device=device)
+        active = list(range(len(owner)))
+        tokens: list[list[int]] = [[] for _ in owner]
+        logprobs: list[list[float]] = [[] for _ in owner]
+        reasons = ["length"] * len(owner)
+        while True:
+            chosen = torch.empty(len(active), dtype=torch.long, device=device)
+            for j, start, stop in self._runs(active, owner, requests):
+                gens = [generators[g] for g in active[start:stop]]
+                chosen[start:stop] = self._draw(logits[start:stop], requests[j], gens)
+            picked = chosen.tolist()
+            scored = token_logprobs(logits, chosen).tolist()
+            keep = []
+            for p, g in enumerate(active):
+                request = requests[owner[g]]
+                tokens[g].append(picked[p])
+                logprobs[g].append(scored[p])
+                if self._stops(picked[p], tokens[g], request):
+                    reasons[g] = "stop"
+                elif len(tokens[g]) < request.max_tokens:
+                    keep.append(p)
+            if not keep:
                 break
+            if len(keep) < len(active):  # finished rows leave the batch
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                chosen, mask, positions = chosen[index], mask[index], positions[index]
+                active = [active[p] for p in keep]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
             out = self.model(
                 input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=positions[:, None],
                 use_cache=True,
-                position_ids=torch.full((n, 1), position, device=self.device),
                 **{self.cache_kwarg: cache},
             )
             logits = out.logits[:, -1, :]
-            position += 1
-        sequences = [
-            SampledArrays(
-                tokens=tokens[row, : lengths[row]].numpy().astype(np.int32),
-                logprobs=logprobs[row, : lengths[row]].numpy().astype(np.float32),
-                stop_reason=stop_reason[row],
-            )
-            for row in range(n)
-        ]
-        return SampleOutput(sequences=sequences, version=version, prompt_logprobs=prompt_lp)
+            positions = positions + 1
+        outputs = []
+        for j, _ in enumerate(requests):
+            sequences = [
+                SampledArrays(
+                    tokens=np.asarray(tokens[g], dtype=np.int32),
+                    logprobs=np.asarray(logprobs[g], dtype=np.float32),
+                    stop_reason=reasons[g],
+                )
+                for g in range(len(owner))
+                if owner[g] == j
+            ]
+            outputs.append(SampleOutput(sequences, version=version, prompt_logprobs=prompt_lp[j]))
+        return outputs
 
-    def _stops(
-        self, token: int, generated: torch.Tensor, stop_ids: set[int], request: SampleRequest
-    ) -> bool:
-        if token in stop_ids:
+    @staticmethod
+    def _runs(
+        active: list[int], owner: list[int], requests: list[SampleRequest]
+    ) -> list[tuple[int, int, int]]:
+        """`(request, start, stop)`: runs of adjacent active rows drawn alike (same temperature,
+        top-k and top-p; one `_draw` call each), named by the request of their first row."""
+        runs: list[tuple[int, int, int]] = []
+        last = None
+        for p, g in enumerate(active):
+            r = requests[owner[g]]
+            params = (r.temperature, r.top_k, r.top_p)
+            if runs and params == last:
+                runs[-1] = (runs[-1][0], runs[-1][1], p + 1)
+            else:
+                runs.append((owner[g], p, p + 1))
+            last = params
+        return runs
+
+    def _stops(self, token: int, generated: list[int], request: SampleRequest) -> bool:
+        if token in request.stop_token_ids:
             return True
         if request.stop_strings:
             # A window of tokens wide enough for the longest stop string (a byte-level token can
             # decode to less than one character); the string must be completed by this token.
             window = 4 * max(len(s) for s in request.stop_strings) + 8
-            now = self.tokenizer.decode(generated[-window:].tolist())
-            before = self.tokenizer.decode(generated[-window:-1].tolist())
+            now = self.tokenizer.decode(generated[-window:])
+            before = self.tokenizer.decode(generated[-window:-1])
             return any(s in now and s not in before for s in request.stop_strings)
         return False
 
@@ -204,7 +482,9 @@ class TorchSamplerEngine(SamplerEngine):
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
         probs = torch.softmax(scaled, dim=-1)
-        rows = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
+        rows = [
+            torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)
+        ]
         return torch.cat(rows)
 
     def _generator(self, seed: int, row: int) -> torch.Generator:
@@ -219,7 +499,8 @@ class TorchSamplerEngine(SamplerEngine):
 
     @torch.no_grad()
     def prompt_logprobs(self, key: str, tokens: np.ndarray) -> np.ndarray:
-        self._use(key)
-        prompt = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
-        logits = self.model(input_ids=prompt[None, :]).logits[0]
+        with self.lock:
+            self._use(key)
+            prompt = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
+            logits = self.model(input_ids=prompt[None, :]).logits[0]
         return self._prompt_logprobs_from(logits, prompt)

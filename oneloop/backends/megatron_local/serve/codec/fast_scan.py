@@ -49,6 +49,7 @@ from oneloop.backends.megatron_local.serve.codec.fast_ragged import ragged_layou
 from oneloop.errors import WireError
 
 _TARGET = b"target_tokens"
+_SEQUENCE_MASK = b"sequence_ratio_mask"  # gspo: each datum must mark a token (losses.py)
 _INT64, _FLOAT32 = pb.DTYPE_INT64, pb.DTYPE_FLOAT32
 _ITEMSIZE = {_FLOAT32: 4, _INT64: 8}
 # loss -> {input name (bytes, as on the wire): wire dtype}: what `validate_datum_inputs` accepts
@@ -103,6 +104,9 @@ def scan_forward_backward(body: bytes) -> ScannedForwardBackward | None:
         if expected is None:
             return None
         arrays, num_tokens = _arrays(body, records, expected)
+        if _SEQUENCE_MASK in expected and not all(d.inputs["sequence_ratio_mask"].any()
+                                                  for d in arrays):  # fmt: skip
+            return None  # a datum marks no token: the reference path names it
     except (_Other, WireError, DecodeError, IndexError, ValueError):
         return None
     return ScannedForwardBackward(

@@ -21,7 +21,8 @@ shard their weights and vocabulary as TP ranks do):
   (`optimizer.tp{T}.cp{C}.rank{R}.pt`, the distributed optimizer shards over DP×CP), resumable at
   the same tp and cp only.
 Refused with the reason: LoRA (adapters under CP untested), pp > 1 together with cp > 1, the
-`cudnn` attention backend (no lower-right causal path in torch SDPA).
+`cudnn` attention backend (no lower-right causal path in torch SDPA), and the sequence-level
+losses (`losses.SEQUENCE_LEVEL_LOSSES`: gspo's ratio is a mean over a whole datum).
 """
 
 import dataclasses
@@ -148,6 +149,12 @@ class MegatronCpRank(MegatronTpRank):
     def _microbatch(
         self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool
     ) -> tuple["losses.LossResult", np.ndarray]:
+        if loss_fn in losses.SEQUENCE_LEVEL_LOSSES:  # every CP rank refuses, before any collective
+            raise CapabilityError(
+                f"loss_fn={loss_fn!r} with local.megatron.cp={self.cp}: its per-datum sequence "
+                "ratio spans the CP ranks' parts of each datum, which a rank's loss cannot see; "
+                "use cp=1 for this loss"
+            )
         batch = len(data)
         seq = padded_length(max(len(d.tokens) for d in data), self.cp)
         tokens, targets, mask, inputs = padded_arrays(data, seq)

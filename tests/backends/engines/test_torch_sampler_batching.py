@@ -1,0 +1,150 @@
+"""The torch sampler batches concurrent requests (issue 21): a seeded request gives the same tokens
+alone or batched, a failing request fails alone, and each request's stops and max_tokens hold
+inside a batch. On the engine directly; through the Ray sampler actor: tests/backends/local/
+test_sampler_concurrency.py."""
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from oneloop.backends.megatron_local.engines.base import SampleOutput, SampleRequest
+from oneloop.backends.megatron_local.engines.torch.sampler import TorchSamplerEngine
+from oneloop.errors import RequestError
+
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    engine = TorchSamplerEngine(tiny_model_path, threads=1)
+    yield engine
+    engine.close()
+
+
+def prompt(seed: int, length: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(10, 1000, size=length).astype(np.int64)
+
+
+def batched(engine: TorchSamplerEngine, requests: list[SampleRequest]) -> list:
+    """Submit `requests` while the engine's model lock is held, so they queue up behind the
+    first batch and run together; each request's output or error, and the batch sizes seen."""
+    before = len(engine.batch_history)
+    with engine.lock:
+        futures = [engine.submit_sample("base", r) for r in requests]
+    done, _ = concurrent.futures.wait(futures, timeout=TIMEOUT_S)
+    assert len(done) == len(futures), "a batched request never finished"
+    sizes = list(engine.batch_history)[before:]
+    return [f.exception() or f.result() for f in futures], sizes
+
+
+def assert_same(alone: SampleOutput, together: SampleOutput) -> None:
+    assert [s.tokens.tolist() for s in alone.sequences] == [
+        s.tokens.tolist() for s in together.sequences
+    ]
+    assert [s.stop_reason for s in alone.sequences] == [s.stop_reason for s in together.sequences]
+    for a, b in zip(alone.sequences, together.sequences, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def mixed_requests() -> list[SampleRequest]:
+    """Seeded requests that differ in everything a batch must keep apart: prompt length,
+    num_samples, max_tokens, temperature / top-k / top-p, prompt logprobs."""
+    return [
+        SampleRequest(prompt(1, 5), num_samples=1, max_tokens=12, seed=11),
+        SampleRequest(prompt(2, 31), num_samples=3, max_tokens=7, seed=12),
+        SampleRequest(prompt(3, 17), num_samples=2, max_tokens=20, seed=13, temperature=0.7),
+        SampleRequest(prompt(4, 9), num_samples=1, max_tokens=1, seed=14, top_k=5),
+        SampleRequest(prompt(5, 24), num_samples=2, max_tokens=16, seed=15, top_p=0.8),
+        SampleRequest(prompt(6, 12), num_samples=1, max_tokens=9, seed=16, temperature=0.0),
+        SampleRequest(prompt(7, 3), 1, 10, seed=17, include_prompt_logprobs=True),
+        SampleRequest(prompt(8, 40), num_samples=4, max_tokens=14, seed=18),
+    ]
+
+
+def test_seeded_request_same_tokens_alone_or_batched(engine):
+    requests = mixed_requests()
+    alone = [engine.sample("base", r) for r in requests]
+    outputs, sizes = batched(engine, requests)
+    assert sum(sizes) == len(requests) and max(sizes) >= len(requests) // 2, sizes
+    for request, a, b in zip(requests, alone, outputs, strict=True):
+        assert isinstance(b, SampleOutput), b
+        assert len(b.sequences) == request.num_samples
+        assert_same(a, b)
+        if request.include_prompt_logprobs:
+            np.testing.assert_allclose(a.prompt_logprobs, b.prompt_logprobs, atol=1e-5)
+        else:
+            assert b.prompt_logprobs is None
+    # Sample i of a request does not depend on num_samples, batched or not.
+    first = engine.submit_sample("base", SampleRequest(prompt(8, 40), 1, 14, seed=18))
+    assert first.result(timeout=TIMEOUT_S).sequences[0].tokens.tolist() == (
+        alone[-1].sequences[0].tokens.tolist()
+    )
+
+
+def test_a_failing_request_fails_alone(engine, monkeypatch):
+    """Bad input is refused per request; a request whose generation raises inside a batch
+    (a fault injected into its draw) fails alone, its batch neighbours get their own tokens."""
+    good = [SampleRequest(prompt(20 + i, 6 + 3 * i), 2, 8, seed=30 + i) for i in range(3)]
+    alone = [engine.sample("base", r) for r in good]
+    vocab = engine.vocab_size
+    out_of_vocab = SampleRequest(np.array([5, vocab + 7]), 1, 4, seed=1)
+    nan_temperature = SampleRequest(prompt(9, 4), 1, 4, seed=1, temperature=float("nan"))
+    # Its own temperature: rows drawn alike share one draw call, this one is drawn alone.
+    faulty = SampleRequest(prompt(10, 8), 1, 8, seed=666, temperature=0.9)
+    draw = engine._draw
+
+    def failing_draw(logits, request, generators):
+        if request.seed == 666:
+            raise RuntimeError("injected fault in the draw of request 666")
+        return draw(logits, request, generators)
+
+    monkeypatch.setattr(engine, "_draw", failing_draw)
+    failed_before = engine.failed_requests
+    requests = [good[0], out_of_vocab, good[1], faulty, nan_temperature, good[2]]
+    outputs, sizes = batched(engine, requests)
+    assert max(sizes) >= 2, sizes
+    assert isinstance(outputs[1], RequestError) and f"token id {vocab + 7}" in str(outputs[1])
+    assert isinstance(outputs[4], RequestError) and "temperature" in str(outputs[4])
+    assert isinstance(outputs[3], RuntimeError) and "request 666" in str(outputs[3])
+    for a, b in zip(alone, [outputs[0], outputs[2], outputs[5]], strict=True):
+        assert isinstance(b, SampleOutput), b
+        assert_same(a, b)
+    assert engine.failed_requests - failed_before == 3
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.sample("base", out_of_vocab)
+
+
+def test_stops_and_max_tokens_hold_per_request_in_a_batch(engine):
+    base = SampleRequest(prompt(40, 10), num_samples=1, max_tokens=24, seed=41)
+    reference = engine.sample("base", base).sequences[0].tokens.tolist()
+    stop_token = reference[3]
+    text = engine.tokenizer.decode(reference)
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    requests = [
+        base,
+        SampleRequest(base.prompt, 1, 24, seed=41, stop_token_ids=(stop_token,)),
+        SampleRequest(base.prompt, 1, 24, seed=41, stop_strings=(needle,)),
+        SampleRequest(base.prompt, 2, 5, seed=41),
+        SampleRequest(base.prompt, 1, 1, seed=41),
+        SampleRequest(prompt(42, 30), 3, 40, seed=43, stop_token_ids=(int(reference[0]),)),
+    ]
+    outputs, sizes = batched(engine, requests)
+    assert max(sizes) >= 3, sizes
+    assert all(isinstance(o, SampleOutput) for o in outputs), outputs
+    full, by_token, by_string, short, single, many = (o.sequences for o in outputs)
+    assert full[0].tokens.tolist() == reference and full[0].stop_reason == "length"
+    cut = reference.index(stop_token) + 1
+    assert by_token[0].tokens.tolist() == reference[:cut] and by_token[0].stop_reason == "stop"
+    tokens = by_string[0].tokens.tolist()
+    assert by_string[0].stop_reason == "stop" and tokens == reference[: len(tokens)]
+    assert needle in engine.tokenizer.decode(tokens)
+    assert needle not in engine.tokenizer.decode(tokens[:-1])
+    assert short[0].tokens.tolist() == reference[:5] and short[0].stop_reason == "length"
+    assert len(short[1].tokens) == 5
+    assert single[0].tokens.tolist() == reference[:1] and single[0].stop_reason == "length"
+    for seq in many:
+        assert len(seq.tokens) <= 40
+        assert seq.stop_reason == ("stop" if seq.tokens[-1] == reference[0] else "length")
+        assert reference[0] not in seq.tokens[:-1].tolist()
+        assert len(seq.tokens) == 40 or seq.stop_reason == "stop"
