@@ -217,7 +217,7 @@ def test_service_refuses_unservable_clients_before_any_actor_starts(vllm_service
         vllm_service.create_lora_training_client(TINY_MODEL_NAME, rank=8)
     with pytest.raises(CapabilityError, match="full fine-tuning"):
         vllm_service.create_lora_training_client(TINY_MODEL_NAME, rank=0)
-    assert vllm_service.live_trainers() == 0 and vllm_service._samplers == {}
+    assert vllm_service.live_trainers == 0 and vllm_service._samplers == {}
 
 
 @pytest.mark.timeout(300)

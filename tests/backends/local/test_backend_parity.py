@@ -1,6 +1,6 @@
 """Backend parity end to end: the same short deterministic run (S = 0, fixed seeds) through
 `--backend local` and through `--backend tinker --base-url <oneloop serve on localhost>` gives
-identical metrics and identical trained tokens."""
+identical metrics (the logprob gap within float noise) and identical trained tokens."""
 
 import json
 import os
@@ -117,7 +117,14 @@ def test_local_and_tinker_backends_train_identically(tmp_path, train_script):
     local = step_metrics(train_script, tmp_path / "local")
     remote = step_metrics(train_script, tmp_path / "tinker")
     assert [r["step"] for r in local] == [1, 2]
-    assert local == remote
+    # Identical, except the sampled-vs-trained logprob gap, a float-noise figure (~1e-7): the torch
+    # sampler batches concurrent requests, and a padded batch's float sums depend on which requests
+    # shared it, which differs between the two runs' timings. Tokens and every other figure match.
+    gap = "train/logprob_gap_mean"
+    assert [{k: v for k, v in r.items() if k != gap} for r in local] == [
+        {k: v for k, v in r.items() if k != gap} for r in remote
+    ]
+    assert [r[gap] for r in local] == pytest.approx([r[gap] for r in remote], abs=1e-5)
     assert sft_metrics(train_script, tmp_path / "local") == sft_metrics(
         train_script, tmp_path / "tinker"
     )

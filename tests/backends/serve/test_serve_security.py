@@ -42,10 +42,12 @@ def test_loopback_detection():
     assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.3", "::", "example.com"))
 
 
-def test_off_loopback_without_a_key_refuses_to_start(monkeypatch):
+def test_off_loopback_without_a_key_refuses_to_start(monkeypatch, capsys):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    with pytest.raises(ConfigError, match="requires an API key"):
-        serve_main(["--host", "0.0.0.0", "--port", "0"])
+    # `oneloop serve` answers a configuration error with one line and exit status 2.
+    assert serve_main(["--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "requires an API key" in err and len(err.splitlines()) == 1, err
     with pytest.raises(ConfigError, match="requires an API key"):
         check_bind("10.1.2.3", None)
     with pytest.raises(ConfigError, match="tml-"):
@@ -203,4 +205,4 @@ def test_oneloop_serve_command_serves_and_stops(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
-    assert proc.returncode == 0
+    assert proc.returncode == 128 + signal.SIGINT  # stopped by the signal, cleanly (not a crash)
