@@ -2,7 +2,7 @@
 official SDK (issue 21, items 3, 4, 6 and the 5xx half of 5):
 
 - every port its Ray runtime opens listens on loopback only (from /proc/net/tcp*);
-- training clients past `--max-live-trainers` are refused with a 429 naming the cap; closing a
+- training clients past `--max-live-trainers` are refused with a 403 naming the cap; closing a
   ServiceClient (its session) or `--trainer-idle-s` of silence releases its trainers, and the
   count of live Ray trainer actors returns to its bound;
 - a base model that is not a model directory is a user error every time (regression: the second
@@ -175,7 +175,7 @@ def test_trainers_are_capped_and_released(served):
     assert _live_trainers(process.pid) == 1
     with pytest.raises(tinker.APIStatusError) as refused:
         first.create_lora_training_client(TINY_MODEL_NAME, rank=2).result(timeout=60)
-    assert refused.value.status_code == 429
+    assert refused.value.status_code == 403
     assert "max_live_trainers=1" in str(refused.value) and "--max-live-trainers" in str(
         refused.value)
     first.close("success").result(timeout=60)  # ends the session: its trainer is released

@@ -11,8 +11,10 @@ state: ~0.85 GB on the tiny model). `TrainerReleaser` releases it, through the b
   when the trainer was ready (off by default: an idle release loses unsaved training state).
 The model's slot stays, marked with the reason, so its later requests get a 410 naming it.
 
-`max_live_trainers` caps the models holding a trainer: one more is refused with a 429 (not
-retried: `x-should-retry: false`) naming the cap and how to raise it, before any actor starts.
+`max_live_trainers` caps the models holding a trainer: one more is refused with a 403 naming the
+cap and how to raise it, before any actor starts. Not a 429: the SDK's retry handler (its
+create-from-state path) retries a 429 for minutes whatever `x-should-retry` says, so a client
+over the cap waited in silence; no SDK path retries a 403 (a quota refusal, as cloud APIs answer).
 
 A backend without `release_training_client` (the `tinker` relay, whose trainers the remote
 service owns) gets its slots marked and counted all the same; nothing local is stopped.
@@ -71,7 +73,7 @@ class TrainerReleaser:
         """Releases that failed or timed out (logged; the slot stays released)."""
 
     def check_capacity(self, what: str) -> None:
-        """429 if one more training model would exceed `max_live_trainers`."""
+        """403 if one more training model would exceed `max_live_trainers`."""
         cap = self.limits.max_live_trainers
         live = len(self._registry.live_models())
         if cap is not None and live >= cap:
@@ -79,7 +81,7 @@ class TrainerReleaser:
                 f"{what}: {live} training models hold a trainer, the cap of this server "
                 f"(max_live_trainers={cap}); close a ServiceClient (ends its session) or unload a "
                 f"model to free one, or restart `oneloop serve` with --max-live-trainers N",
-                429, retry=False,
+                403, retry=False,
             )
 
     def release(self, slot: ModelSlot, reason: str) -> None:

@@ -99,7 +99,7 @@ class ServeConfig(BaseModel):
     """How long a request waits for a missing earlier seq_id before failing, in seconds."""
     max_live_trainers: int | None = Field(default=8, ge=1)
     """Most training models holding a trainer (a Ray actor) at once; one more is refused with
-    a 429 naming this cap. None = no cap."""
+    a 403 naming this cap. None = no cap."""
     trainer_idle_s: float | None = Field(default=None, gt=0)
     """Release a model's trainer after this many seconds without a request (its unsaved state
     is lost; later requests get a 410). None = never."""
