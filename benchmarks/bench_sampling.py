@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from typing import Any
 
 import numpy as np
 from tinker import types
+
+from oneloop.backends.megatron_local.ports import free_port
 
 TIMEOUT_S = 600
 GOAL_CONCURRENT_OVER_BATCHED = 2.0
@@ -131,9 +132,7 @@ def serve_url(mode: str, backend: Any, threads: int, run_dir: Path) -> Iterator[
         with ServerThread(ServeConfig(port=0), backend) as server:
             yield server.base_url
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     config = run_dir / "serve-backend.json"
     config.write_text(json.dumps({"local": {"torch_threads": threads}}))
     command = [sys.executable, "-m", "oneloop.cli", "serve", "--port", str(port),
