@@ -12,7 +12,7 @@ from urllib.parse import quote
 import httpx
 import pydantic
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tinker import types
 
@@ -249,6 +249,7 @@ def test_arbitrary_forward_backward_bodies_get_4xx(http, body, encoded):
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(path=st.text(max_size=30), limit=st.text(max_size=6))
+@example(path="/", limit="")  # found by CI: the id "%2F" was redirected (307) to the listing route
 def test_listing_routes_get_4xx_for_bad_ids_and_params(http, path, limit):
     path = quote(path, safe="") or "%20"
     for url, high in (("/training_runs", 1000), ("/checkpoints", 10000)):

@@ -123,8 +123,10 @@ def build_app(
                 await asyncio.wait_for(task, timeout=5.0)
             await service.close()
 
+    # redirect_slashes off: an id that decodes to "/" (`/training_runs/%2F`) must be a 404, not a
+    # 307 to a listing route; the SDK never relies on slash redirects.
     app = FastAPI(title="oneloop serve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)
     app.state.service = service
     v1 = "/api/v1"
 
