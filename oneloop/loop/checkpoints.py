@@ -29,6 +29,8 @@ class LoopState:
     """Whether the SFT warm start has run."""
     eval_before: dict[str, float] = field(default_factory=dict)
     """Held-out metrics measured before RL."""
+    warm_start: dict[str, float] = field(default_factory=dict)
+    """The SFT warm start's figures (`sft/...`), logged in the step-0 line."""
 
 
 def append_checkpoint(run_dir: Path, state: LoopState) -> None:

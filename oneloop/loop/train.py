@@ -28,6 +28,7 @@ from tinker import types
 from oneloop.agents.demo_tasks.demonstrations import DEMONSTRATIONS_FILE, write_demonstrations
 from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate_tasks
 from oneloop.agents.providers import container_free_warning, preflight_environment
+from oneloop.agents.tasks_check import screen_tasks
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
 from oneloop.backends import capabilities, connect
 from oneloop.backends.capabilities import Capabilities
@@ -107,14 +108,20 @@ async def _run(run: Run, phases: dict[str, float]) -> dict[str, float]:
         phases[name], mark = now - mark, now
 
     if not run.state.sft_done and cfg.sft is not None:
-        before.update(await warm_start(run))
+        figures = await warm_start(run)  # sets sft_done: read run.state after it returns
+        run.state = _replace(run.state, warm_start=figures)
         lap("sft")
+        await checkpoint(run, 0)  # a crash from here on does not redo the warm start
     if cfg.eval is not None and not run.state.eval_before:
         run.state = _replace(run.state, eval_before=await evaluate(run, "eval_before"))
-        before.update(run.state.eval_before)
         lap("eval_before")
-    if before:
-        run.logger.log(0, before)  # step 0: the model RL starts from
+        if run.state.trainer_path:  # the warm start's checkpoint, now with the eval's figures
+            append_checkpoint(cfg.run_dir, run.state)
+    if run.state.step == 0:  # step 0, the model RL starts from (a resume at 0 logs it anew)
+        before.update(run.state.warm_start)
+        before.update(run.state.eval_before)
+        if before:
+            run.logger.log(0, before)
     summary = await rl(run)
     lap("rl")
     if cfg.eval is not None:
@@ -149,6 +156,16 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     )
     check_capabilities(caps, cfg, kind)
     splits, train_tasks, eval_tasks = _tasks(cfg)
+    if cfg.eval is not None and cfg.eval.agent != "mcp":
+        raise ConfigError(
+            f"eval.agent={cfg.eval.agent!r}: the training loop evaluates its own model (mcp); "
+            "run other agents with `oneloop eval --agent`"
+        )
+    # Tasks the environment cannot run are refused here, one line each, never tried (issue 24).
+    train_tasks, eval_tasks = (
+        screen_tasks(t, rollout.environment_type, env_import, log.warning, "tasks.dir")
+        for t in (train_tasks, eval_tasks)
+    )
     previous = last_checkpoint(cfg.run_dir) if resume else None
     sft_data: list[Conversation] = []
     if cfg.sft is not None and not (previous is not None and previous.sft_done):
@@ -176,9 +193,11 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
             cfg.timeouts.sync_s,
         )
         state = LoopState(step=0, trainer_path="", cursor=0, sft_done=cfg.sft is None)
-    if resume:  # no checkpoint yet: the run starts over, its step-0 line (SFT, eval) included
+    if resume:  # no checkpoint yet: the run starts over, its step-0 line (SFT, eval) included;
+        # a checkpoint at step 0 (the warm start's) logs its step-0 line again from the state
+        keep = state.step if previous is not None and state.step > 0 else -1
         for name in STEP_FILES:
-            truncate_after(cfg.run_dir / name, state.step if previous is not None else -1)
+            truncate_after(cfg.run_dir / name, keep)
     logger = MetricsLogger(
         cfg.run_dir,
         console=cfg.logging.console,
@@ -418,7 +437,7 @@ async def rl(run: Run, runner: Any = None) -> dict[str, float]:
             run.logger.log(step + 1, metrics)
             summary = metrics
             if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == algo.max_steps:
-                await checkpoint(run, step + 1, source)
+                await checkpoint(run, step + 1, source.cursor, sorted(source.consumed))
     finally:
         await pool.close()
     return summary
@@ -429,7 +448,9 @@ async def train_step(
 ) -> dict[str, float]:
     """forward_backward and optim_step submitted back to back, then awaited (bounded)."""
     cfg, algo = run.cfg, run.cfg.algo
-    datums, masks = build_datums(groups, algo.reduction, algo.std_normalize)
+    datums, masks = build_datums(
+        groups, algo.reduction, algo.std_normalize, algo.routing_replay
+    )
     started = time.monotonic()
     fwd = run.trainer.forward_backward(datums, algo.loss_fn, algo.loss_fn_config or None)
     opt = run.trainer.optim_step(
@@ -464,19 +485,17 @@ async def publish(run: Run) -> Any:
     )
 
 
-async def checkpoint(run: Run, step: int, source: TaskSource) -> None:
-    """Trainer state, then its checkpoints.jsonl line; a stop signal waits for both."""
+async def checkpoint(
+    run: Run, step: int, cursor: int = 0, consumed: list[str] | None = None
+) -> None:
+    """Trainer state, then its checkpoints.jsonl line; a stop signal waits for both. Step 0 is
+    the warm start's checkpoint (no task handed out yet)."""
     with deferred_stop():
         saved = await asyncio.wait_for(
             run.trainer.save_state(f"step-{step:06d}", overwrite=True), run.cfg.timeouts.sync_s
         )
-        run.state = LoopState(
-            step=step,
-            trainer_path=saved.path,
-            cursor=source.cursor,
-            consumed=sorted(source.consumed),
-            sft_done=run.state.sft_done,
-            eval_before=run.state.eval_before,
+        run.state = _replace(
+            run.state, step=step, trainer_path=saved.path, cursor=cursor, consumed=consumed or []
         )
         append_checkpoint(run.cfg.run_dir, run.state)
     write_plots(run.cfg.run_dir)

@@ -129,8 +129,11 @@ def test_train_script_runs_two_steps(tmp_path, train_script):
     assert all("train/logprob_gap_mean" in x for x in steps)
     # S = 0: every group is sampled on the weights it is trained from, so the gap is numerics only.
     assert max(x["train/logprob_gap_mean"] for x in steps) < 1e-3
-    checkpoints = (run_dir / "checkpoints.jsonl").read_text().splitlines()
-    assert [json.loads(c)["step"] for c in checkpoints] == [1, 2]
+    checkpoints = [json.loads(c) for c in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    # The warm start is checkpointed (step 0), its line repeated with the eval's figures.
+    assert [c["step"] for c in checkpoints] == [0, 0, 1, 2]
+    assert checkpoints[0]["warm_start"]["sft/steps"] == 2.0 and not checkpoints[0]["eval_before"]
+    assert "eval_before/success_rate" in checkpoints[1]["eval_before"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "eval_before/success_rate" in summary and "eval_after/success_rate" in summary
     phases = {k: v for k, v in summary.items() if k.startswith("time/phase_")}
@@ -141,6 +144,19 @@ def test_train_script_runs_two_steps(tmp_path, train_script):
     sft = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["sft/learning_rate_last"] for m in sft if "sft/steps" in m] == [0.002]
     assert (run_dir / "trajectories.jsonl").is_file()
+
+    # Regression: a run that died after its warm start redid the whole SFT on --resume (nothing
+    # was checkpointed before RL step 1). Cut the run back to its warm-start checkpoint, resume.
+    lines = (run_dir / "checkpoints.jsonl").read_text().splitlines()
+    (run_dir / "checkpoints.jsonl").write_text(lines[0] + "\n")
+    again = train_script.run(run_dir, tmp_path / "backend", *SMALL, "sft.lr_schedule=linear",
+                             "sft.learning_rate=0.004", f"sft.data={data}", "--resume")  # fmt: skip
+    assert "sft.data:" not in again.stderr  # the warm start's data was not even read
+    rows = train_script.rows(run_dir)
+    step0 = [row for row in rows if row["step"] == 0]
+    assert len(step0) == 1 and step0[0]["sft/learning_rate_last"] == 0.002  # logged once, kept
+    assert "eval_before/success_rate" in step0[0]
+    assert sorted(train_script.steps(run_dir)) == [1, 2]
 
 
 @pytest.mark.parametrize("preset", preset_names())
