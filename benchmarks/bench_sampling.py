@@ -22,13 +22,10 @@ median of per-repeat ratios are printed. The machine may be shared: run it twice
 import argparse
 import contextlib
 import json
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -37,7 +34,7 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from oneloop.backends.megatron_local.ports import free_port
+from oneloop.backends.megatron_local.serve.spawn import serve_process
 
 TIMEOUT_S = 600
 GOAL_CONCURRENT_OVER_BATCHED = 2.0
@@ -132,35 +129,11 @@ def serve_url(mode: str, backend: Any, threads: int, run_dir: Path) -> Iterator[
         with ServerThread(ServeConfig(port=0), backend) as server:
             yield server.base_url
         return
-    port = free_port()
     config = run_dir / "serve-backend.json"
     config.write_text(json.dumps({"local": {"torch_threads": threads}}))
-    command = [sys.executable, "-m", "oneloop.cli", "serve", "--port", str(port),
-               "--run-dir", str(run_dir / "serve"), "--backend-config", str(config)]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"oneloop serve exited: {server.stderr.read()[-2000:]!r}")
-            try:
-                urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=5).close()
-                break
-            except OSError as error:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"oneloop serve did not answer within {TIMEOUT_S} s"
-                    ) from error
-                time.sleep(0.5)
-        yield url
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=30)
+    args = ["--run-dir", str(run_dir / "serve"), "--backend-config", str(config)]
+    with serve_process(args, log=run_dir / "serve.log", start_timeout_s=TIMEOUT_S) as served:
+        yield served.url
 
 
 def bench_serve_vs_in_process(

@@ -3,15 +3,11 @@
 identical metrics (the logprob gap within float noise) and identical trained tokens."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from oneloop.backends.megatron_local.serve.spawn import serve_process
 
 ROOT = Path(__file__).resolve().parents[3]
 DETERMINISTIC = [
@@ -44,11 +40,6 @@ COMPARED = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def sft_metrics(train_script, run_dir: Path) -> list[dict]:
     return [r for r in train_script.rows(run_dir) if "sft/loss_last" in r]
@@ -68,38 +59,10 @@ def trained_tokens(run_dir: Path) -> list:
 @pytest.mark.timeout(1500)
 def test_local_and_tinker_backends_train_identically(tmp_path, train_script):
     train_script.run(tmp_path / "local", tmp_path / "local-backend", *DETERMINISTIC)
-    port = free_port()
     serve_config = tmp_path / "serve-backend.yaml"
     serve_config.write_text("local: {torch_threads: 1}\n")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "oneloop.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--run-dir",
-            str(tmp_path / "serve-backend"),
-            "--backend-config",
-            str(serve_config),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TINKER_API_KEY": "tml-local-test"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, server.stderr.read()[-3000:]
-                assert time.monotonic() < deadline, "oneloop serve did not come up"
-                time.sleep(0.5)
+    args = ["--run-dir", str(tmp_path / "serve-backend"), "--backend-config", str(serve_config)]
+    with serve_process(args, cwd=ROOT, start_timeout_s=120) as served:
         train_script.run(
             tmp_path / "tinker",
             tmp_path / "unused",
@@ -107,13 +70,10 @@ def test_local_and_tinker_backends_train_identically(tmp_path, train_script):
             "--backend",
             "tinker",
             "--base-url",
-            f"http://127.0.0.1:{port}",
+            served.url,
             "--api-key",
             "tml-local-test",
         )
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     local = step_metrics(train_script, tmp_path / "local")
     remote = step_metrics(train_script, tmp_path / "tinker")
     assert [r["step"] for r in local] == [1, 2]

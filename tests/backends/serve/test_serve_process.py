@@ -14,10 +14,7 @@ The tests run in file order and share the one server (starting Ray costs ~20 s o
 
 import ipaddress
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import pytest
 import tinker
 from tinker import types
 
+from oneloop.backends.megatron_local.serve.spawn import serve_process
 from oneloop.tiny.model import TINY_MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -125,30 +123,12 @@ def served(tmp_path_factory):
     backend = tmp / "backend.yaml"
     backend.write_text(f"backend:\n  run_dir: {tmp / 'runs'}\n  local:\n    torch_threads: 1\n"
                        "    ray_num_cpus: 2\n")
+    args = ["--host", "127.0.0.1", "--backend-config", str(backend), "--max-live-trainers", "1",
+            "--trainer-idle-s", str(IDLE_S)]  # fmt: skip
+    env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     log = tmp / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "oneloop.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-             "--backend-config", str(backend), "--max-live-trainers", "1",
-             "--trainer-idle-s", str(IDLE_S)],
-            stdout=sink, stderr=subprocess.STDOUT, env=env,
-        )
-    found: list[str] = []
-
-    def started() -> bool:
-        assert process.poll() is None, log.read_text()
-        found[:] = re.findall(r"oneloop serve on (http://127\.0\.0\.1:\d+)", log.read_text())
-        return bool(found)
-
-    try:
-        _until(started, START_TIMEOUT_S, "oneloop serve started")
-        yield process, found[0], log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
+    with serve_process(args, log=log, env=env, start_timeout_s=START_TIMEOUT_S) as server:
+        yield server.process, server.url, server.log
 
 
 def test_ray_runtime_listens_on_loopback_only(served):

@@ -164,45 +164,11 @@ def test_server_thread_connections_have_nagle_off(backend):
 def test_oneloop_serve_command_serves_and_stops(tmp_path):
     """`oneloop serve` as a subprocess: answers /healthz on loopback, exits cleanly on SIGINT."""
     import signal
-    import socket
-    import subprocess
-    import sys
-    import time
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "oneloop.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--run-dir",
-            str(tmp_path / "runs"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=5)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "oneloop serve did not start"
-                time.sleep(0.5)
+    from oneloop.backends.megatron_local.serve.spawn import serve_process
+
+    with serve_process(["--run-dir", str(tmp_path / "runs")]) as served:
+        assert served.url.startswith("http://127.0.0.1:")
+        r = httpx.get(f"{served.url}/api/v1/healthz", timeout=5)
         assert r.json() == {"status": "ok"}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-    assert proc.returncode == 128 + signal.SIGINT  # stopped by the signal, cleanly (not a crash)
+    assert served.process.returncode == 128 + signal.SIGINT  # stopped by the signal, cleanly
