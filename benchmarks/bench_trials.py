@@ -8,6 +8,15 @@ calculator server inside an environment over stdio, initialising and listing its
 
     python benchmarks/bench_trials.py               # Harbor's oracle agent
     python benchmarks/bench_trials.py --agent mcp   # McpToolAgent + tiny model, local backend
+    python benchmarks/bench_trials.py --compare-roots [--also module:Class]
+
+`--compare-roots` measures the container-free environment's per-trial overlay of the host root
+(`host_root=overlay`) against the host's directories bound read-write (`host_root=shared`) and,
+with `--also`, any other environment class (e.g. an older copy of the environment on
+PYTHONPATH): oracle trials at `--concurrency`, the variants interleaved batch by batch, and
+prints each one's start-to-verifier time per trial (environment start + agent setup + agent
+phase; the oracle's solve.sh is trivial, so this is the environment's own overhead) and the
+ratio to the shared root.
 """
 
 from __future__ import annotations
@@ -145,9 +154,66 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
     print(f"  {'mcp_connect*':16s} {_stats(direct)}   (*stdio server in env + "
           "initialize + list_tools, measured alone; started directly)")
     print(f"  {'mcp_connect_fork*':16s} {_stats(fork)}   (the same through the stdio fork server)")
-    print(f"  fork server vs direct start: {statistics.median(direct) / statistics.median(fork):.2f}x"
-          " faster (median)")
+    speedup = statistics.median(direct) / statistics.median(fork)
+    print(f"  fork server vs direct start: {speedup:.2f}x faster (median)")
     print("counters", {k: v for k, v in runner.counters().items() if v})
+
+
+def _start_to_verifier(t: TrialTimings) -> float:
+    return t.env_start_sec + t.agent_setup_sec + t.agent_sec
+
+
+async def _compare_roots(args: argparse.Namespace, work: Path) -> None:
+    from oneloop.agents.environment import NO_CONTAINER_IMPORT_PATH
+
+    (task,) = generate_tasks(work / "tasks", n_train=1, n_eval=0, seed=0).train
+    variants: dict[str, tuple[str, dict]] = {
+        "overlay": (NO_CONTAINER_IMPORT_PATH, {"host_root": "overlay"}),
+        "shared": (NO_CONTAINER_IMPORT_PATH, {"host_root": "shared"}),
+    }
+    if args.also:
+        variants["also"] = (args.also, {})
+        print(f"also = {args.also}")
+    runners = {
+        name: TrialRunner(
+            TrialRunnerConfig(
+                trials_dir=work / f"trials-{index}",
+                agent_name="oracle",
+                agent_import_path=None,
+                environment_import_path=path,
+                environment_kwargs={"root_base_dir": str(work / "roots"), **kwargs},
+                max_concurrent_trials=args.concurrency,
+                trials_per_second=args.rate,
+                max_infra_retries=0,
+            )
+        )
+        for index, (name, (path, kwargs)) in enumerate(variants.items())
+    }
+    for runner in runners.values():  # warm-up: Ray workers and imports
+        await runner.run_group(task.path, args.concurrency, None)
+    timings: dict[str, list[TrialTimings]] = {name: [] for name in runners}
+    walls: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            started = time.perf_counter()
+            group = await asyncio.wait_for(
+                runner.run_group(task.path, args.concurrency, None), args.timeout
+            )
+            walls[name].append(time.perf_counter() - started)
+            bad = [r.error for r in group.results if r.reward != 1.0]
+            if bad:
+                raise SystemExit(f"{name}: trials failed: {bad[:2]}")
+            timings[name] += [r.timings for r in group.results]
+    print(f"oracle trials, concurrency={args.concurrency}, {args.rounds} interleaved rounds, "
+          f"cpus={os.cpu_count()} loadavg_1m={os.getloadavg()[0]:.1f}")  # fmt: skip
+    base = statistics.fmean(_start_to_verifier(t) for t in timings["shared"])
+    for name, values in timings.items():
+        s2v = [_start_to_verifier(t) for t in values]
+        ratio = statistics.fmean(s2v) / base
+        print(f"  {name:10s} start-to-verifier {_stats(s2v)}  ({ratio:.2f}x shared)")
+        print(f"  {'':10s} env_start         {_stats([t.env_start_sec for t in values])}")
+        print(f"  {'':10s} verifier          {_stats([t.verifier_sec for t in values])}")
+        print(f"  {'':10s} batch wall        {_stats(walls[name])}")
 
 
 def main() -> None:
@@ -162,11 +228,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--stdio-forkserver", choices=("on", "off"), default="on",
                         help="start stdio MCP servers through the fork server in the trial phase")
+    parser.add_argument("--compare-roots", action="store_true",
+                        help="overlay vs shared host root (start-to-verifier), side by side")
+    parser.add_argument("--also", help="--compare-roots: another environment module:Class")
+    parser.add_argument("--rounds", type=int, default=4, help="--compare-roots: batches each")
     args = parser.parse_args()
-    ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-trials-") as tmp:
-            asyncio.run(_run(args, Path(tmp)))
+            run = _compare_roots if args.compare_roots else _run
+            asyncio.run(run(args, Path(tmp)))
     finally:
         ray.shutdown()
 

@@ -1,4 +1,5 @@
-"""The `oneloop` command line: `demo`, `train`, `serve`, `bench`, `eval`, `inspect`, `size`.
+"""The `oneloop` command line: `demo`, `train`, `serve`, `bench`, `eval`, `inspect`, `size`,
+`tasks`.
 
 Each subcommand lives in its own module (named below as `module:function`); this file only
 dispatches. `bench` is the one exception: the benchmarks live in the source tree's `benchmarks/`
@@ -21,6 +22,8 @@ COMMANDS = {
     "eval": "oneloop.diagnostics.eval_cli:main",
     "inspect": "oneloop.diagnostics.inspect_cli:main",
     "size": "oneloop.diagnostics.size:main",
+    "gateway": "oneloop.agents.gateway.server:main",
+    "tasks": "oneloop.agents.tasks_check:main",
 }
 BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 """The checkout's benchmarks (absent from an installed wheel)."""

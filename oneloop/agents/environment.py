@@ -2,18 +2,22 @@
 
 This module owns `NoContainerEnvironment`, a harbor 0.25 `BaseEnvironment` loaded by import path
 (`TrialConfig.environment.import_path = NO_CONTAINER_IMPORT_PATH`). It isolates FILES, not
-security: every command runs as the calling user (root) on the host kernel, sees the host's
-processes, network and every directory outside the private ones. Production uses Harbor's Docker /
-Modal / Daytona environments through the same trial config; only `environment.import_path` changes.
+security: every command runs as the calling user (root) on the host kernel and sees the host's
+processes and network. Production uses Harbor's Docker / Modal / Daytona environments through the
+same trial config; only `environment.import_path` changes.
 
 How a trial gets private files: `start()` makes a private root directory holding Harbor's fixed
 paths (`/logs` with `agent/`, `verifier/`, `artifacts/`, `/tests`, `/solution`, `/installed-agent`,
-`/tmp` and the task workdir, default `/app`) and writes an entry script. Each `exec` runs
-`unshare -m --propagation private` (a fresh mount namespace), recursively binds every other
-top-level host directory (`/usr`, `/etc`, `/proc`, `/work`, ...) into the root, binds Harbor's host
-mounts (the trial's `agent/`, `verifier/` and artifacts dirs, so no download is needed) over their
-fixed paths, then `chroot`s into the root. Concurrent trials therefore never see each other's
-`/logs`, `/tests`, `/tmp` or workdir, and nothing is created outside the private root.
+`/tmp` and the task workdir, default `/app`) and starts one process that holds a fresh mount
+namespace for the whole trial (`oneloop.agents.host_root`). In it every other top-level host
+directory (`/usr`, `/etc`, `/var`, `/root`, `/work`, ...) is a per-trial overlay of the host's
+(kwarg `host_root="overlay"`, the default: writes land in a scratch layer deleted with the trial,
+the host never changes), `/proc`, `/sys` and `/dev` are the host's, and Harbor's host mounts (the
+trial's `agent/`, `verifier/` and artifacts dirs, so no download is needed) are bound over their
+fixed paths. Each `exec` enters that namespace (`nsenter`) and `chroot`s into the root.
+Concurrent trials therefore never see each other's files, nor change the host's. Where overlayfs
+cannot be mounted, `start()` fails with the kernel's reason; `host_root="shared"` is the explicit
+opt-out (the host's directories read-write, as before; a task can then change the host).
 
 Every command gets its own process group; a timeout, a cancellation and `stop()` kill the group.
 Capabilities are honest: no GPUs, no network policy (a task asking for `no-network`, an allowlist
@@ -42,6 +46,14 @@ from harbor.environments.capabilities import (
 )
 from harbor.models.task.config import TaskOS
 
+from oneloop.agents.host_root import (
+    READY_LINE,
+    HostRoot,
+    RootPlan,
+    entry_argv,
+    holder_argv,
+    runtime_dirs,
+)
 from oneloop.agents.stdio_forkserver import FORK_SERVERS
 from oneloop.errors import ConfigError, OneloopError
 
@@ -58,8 +70,8 @@ DEFAULT_MAX_EXEC_TIMEOUT_SEC = 3600.0
 PIPE_DRAIN_GRACE_SEC = 1.0
 # SIGTERM first so tools can clean up; SIGKILL after this grace.
 KILL_GRACE_SEC = 2.0
-# Exit status of the entry script when the namespace itself could not be set up.
-SETUP_FAILED_EXIT = 125
+# Setting up a trial's mount namespace (tens of mounts) finishes well within this.
+NAMESPACE_SETUP_TIMEOUT_SEC = 30.0
 # Task-level fault-injection knob (task.toml `[environment.env]`): start() fails when set to "1".
 INJECT_START_FAILURE_ENV = "ONELOOP_INJECT_START_FAILURE"
 ROOT_USERS = (None, "root", 0, "0")
@@ -86,7 +98,7 @@ class NoContainerEnvironment(BaseEnvironment):
     (where private roots are made; default `$TMPDIR/oneloop-envs`), `max_exec_timeout_sec`
     (cap for commands given no timeout), `auto_mounting` (default True: the trial's log dirs are
     bound in, so Harbor reads them without copying), `stdio_forkserver` (default True: see
-    `stdio_command`).
+    `stdio_command`), `host_root` ("overlay", default, or "shared": see the module docstring).
     """
 
     def __init__(
@@ -96,8 +108,16 @@ class NoContainerEnvironment(BaseEnvironment):
         max_exec_timeout_sec: float = DEFAULT_MAX_EXEC_TIMEOUT_SEC,
         auto_mounting: bool = True,
         stdio_forkserver: bool = True,
+        host_root: str = HostRoot.OVERLAY.value,
         **kwargs: Any,
     ) -> None:
+        if host_root not in tuple(HostRoot):
+            raise ConfigError(
+                f"environment.kwargs.host_root={host_root!r}: expected one of "
+                f"{[m.value for m in HostRoot]}"
+            )
+        self._host_root = HostRoot(host_root)
+        self._holder: asyncio.subprocess.Process | None = None
         if max_exec_timeout_sec <= 0:
             raise ConfigError(
                 f"environment.kwargs.max_exec_timeout_sec must be > 0, got {max_exec_timeout_sec}"
@@ -108,7 +128,8 @@ class NoContainerEnvironment(BaseEnvironment):
         self._max_exec_timeout_sec = float(max_exec_timeout_sec)
         if not isinstance(stdio_forkserver, bool):
             raise ConfigError(
-                f"environment.kwargs.stdio_forkserver must be true or false, got {stdio_forkserver!r}"
+                "environment.kwargs.stdio_forkserver must be true or false, got "
+                f"{stdio_forkserver!r}"
             )
         self._stdio_forkserver = stdio_forkserver
         self._control_dir: Path | None = None
@@ -197,7 +218,48 @@ class NoContainerEnvironment(BaseEnvironment):
         )
         self._control_dir = control
         await asyncio.to_thread(self._build_root, control)
+        await self._start_holder(control)
         await self._upload_environment_files()
+
+    async def _start_holder(self, control: Path) -> None:
+        """Start the process holding this trial's mount namespace; wait until it is mounted."""
+        if self._host_root is HostRoot.SHARED:
+            self.logger.warning(
+                "environment.kwargs.host_root='shared': the trial writes to the host's own "
+                "directories (/usr, /etc, ...); a task can change this host"
+            )
+        holder = await asyncio.create_subprocess_exec(
+            *holder_argv(control),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._holder = holder
+        assert holder.stdout is not None and holder.stderr is not None
+        try:
+            line = await asyncio.wait_for(holder.stdout.readline(), NAMESPACE_SETUP_TIMEOUT_SEC)
+        except TimeoutError:
+            line = b""
+        if line.decode().strip() != READY_LINE:
+            _kill_group(holder.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(holder.wait(), KILL_GRACE_SEC)
+            stderr = b""
+            with contextlib.suppress(TimeoutError):
+                stderr = await asyncio.wait_for(holder.stderr.read(), KILL_GRACE_SEC)
+            self._holder = None
+            hint = (
+                " (hosts without overlayfs in a mount namespace: environment.kwargs."
+                "host_root='shared' runs unprotected, on purpose)"
+                if self._host_root is HostRoot.OVERLAY
+                else ""
+            )
+            raise EnvironmentStartError(
+                f"the trial's mount namespace could not be set up (host_root="
+                f"{self._host_root.value!r}): {stderr.decode(errors='replace').strip()[-800:]}"
+                + hint
+            )
 
     def _build_root(self, control: Path) -> None:
         root = control / "root"
@@ -208,25 +270,9 @@ class NoContainerEnvironment(BaseEnvironment):
         for sub in ("agent", "verifier", "artifacts"):
             (root / "logs" / sub).mkdir(parents=True, exist_ok=True)
         (root / "tmp").chmod(0o1777)
-        private_tops = {PurePosixPath(p).parts[1] for p in private}
-        mounts: list[str] = []
-        for entry in sorted(Path("/").iterdir()):
-            if entry.name in private_tops:
-                continue
-            target = root / entry.name
-            if entry.is_symlink():
-                target.symlink_to(os.readlink(entry))
-            elif entry.is_dir():
-                target.mkdir()
-                mounts.append(f"mount --rbind {shlex.quote(str(entry))} {shlex.quote(str(target))}")
-        # The interpreter, the venv and the oneloop checkout must stay visible even when they
-        # live under a directory made private here (e.g. a clone under /tmp): bind them back.
-        for host_dir in _runtime_dirs():
-            pure = PurePosixPath(host_dir)
-            if len(pure.parts) > 1 and pure.parts[1] in private_tops:
-                target = root / str(pure).lstrip("/")
-                target.mkdir(parents=True, exist_ok=True)
-                mounts.append(f"mount --rbind {shlex.quote(str(host_dir))} {shlex.quote(str(target))}")
+        private_tops = frozenset(PurePosixPath(p).parts[1] for p in private)
+        plan = RootPlan(root, control / "layers", self._host_root, private_tops)
+        plan.build(runtime_dirs())
         path_map: dict[PurePosixPath, Path] = {
             PurePosixPath(p): root / p.lstrip("/") for p in private
         }
@@ -241,24 +287,9 @@ class NoContainerEnvironment(BaseEnvironment):
             source.mkdir(parents=True, exist_ok=True)
             host_target = root / str(env_target).lstrip("/")
             host_target.mkdir(parents=True, exist_ok=True)
-            src, dst = shlex.quote(str(source)), shlex.quote(str(host_target))
-            mounts.append(f"mount --bind {src} {dst}")
-            if mount.get("read_only"):
-                mounts.append(f"mount -o remount,bind,ro {dst}")
+            plan.bind(source, host_target, read_only=bool(mount.get("read_only")))
             path_map[env_target] = source
-        body = " &&\n  ".join(mounts) or "true"
-        script = (
-            "#!/bin/sh\n"
-            f"setup() {{\n  {body}\n}}\n"
-            "if ! setup; then\n"
-            "  echo 'oneloop no-container environment: namespace setup failed' >&2\n"
-            f"  exit {SETUP_FAILED_EXIT}\n"
-            "fi\n"
-            'cwd="$1"; shift\n'
-            f"exec chroot {shlex.quote(str(root))} /bin/sh -c "
-            "'cd \"$0\" || exit 1; exec \"$@\"' \"$cwd\" \"$@\"\n"
-        )
-        (control / "enter.sh").write_text(script)
+        (control / "setup.sh").write_text(plan.script())
         self._path_map = sorted(path_map.items(), key=lambda kv: len(kv[0].parts), reverse=True)
 
     async def _upload_environment_files(self) -> None:
@@ -289,6 +320,11 @@ class NoContainerEnvironment(BaseEnvironment):
                 pid = int(pid_line)
                 if os.getpgid(pid) == pid:  # still the leader of the group it started
                     _kill_group(pid, signal.SIGKILL)
+        holder, self._holder = self._holder, None
+        if holder is not None:  # its exit ends the namespace (the trial's processes are gone)
+            _kill_group(holder.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(holder.wait(), KILL_GRACE_SEC)
         if delete:
             await asyncio.to_thread(_remove_root, control)
             self._control_dir = None
@@ -298,14 +334,16 @@ class NoContainerEnvironment(BaseEnvironment):
     # ----------------------------------------------------------------------------------------
 
     def _entry_argv(self, cwd: str) -> list[str]:
-        if self._control_dir is None:
+        if self._control_dir is None or self._holder is None:
             raise EnvironmentStartError(
                 f"environment {self.session_id!r} is not started (call start() first)"
             )
-        return [
-            "unshare", "-m", "--propagation", "private", "--",
-            "/bin/sh", str(self._control_dir / "enter.sh"), cwd,
-        ]  # fmt: skip
+        if self._holder.returncode is not None:
+            raise EnvironmentStartError(
+                f"environment {self.session_id!r}: the process holding its mount namespace "
+                f"exited ({self._holder.returncode})"
+            )
+        return entry_argv(self._holder.pid, self._control_dir / "root", cwd)
 
     def stdio_command(self, command: str, args: list[str]) -> tuple[str, list[str]]:
         """Return `(command, args)` that start a stdio program inside this trial's private view.
@@ -443,7 +481,7 @@ class NoContainerEnvironment(BaseEnvironment):
 
 def _host_problem() -> str | None:
     """Why this host cannot run the no-container environment, or None."""
-    for tool in ("unshare", "mount", "chroot"):
+    for tool in ("unshare", "nsenter", "mount", "chroot"):
         if shutil.which(tool) is None:
             return f"'{tool}' not found on PATH; install util-linux"
     if os.geteuid() != 0:
@@ -526,24 +564,3 @@ def _remove_root(control: Path) -> None:
                 f"refusing to delete {root}: {mounted[0]} is a mount point in this namespace"
             )
     shutil.rmtree(control)
-
-
-def _runtime_dirs() -> list[Path]:
-    """Host directories a trial's processes need: the oneloop checkout, the venv, the base
-    interpreter (outermost first, duplicates and nested ones removed)."""
-    import sys
-
-    import oneloop
-
-    candidates = {
-        Path(oneloop.__file__).resolve().parents[1],
-        Path(sys.prefix).resolve(),
-        Path(sys.base_prefix).resolve(),
-    }
-    ordered = sorted(candidates, key=lambda p: len(p.parts))
-    kept: list[Path] = []
-    for path in ordered:
-        if not any(path.is_relative_to(k) for k in kept):
-            kept.append(path)
-    return kept
-

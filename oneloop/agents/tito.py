@@ -13,23 +13,28 @@ Contracts:
   checkpoints or a buggy caller is refused instead of trained on;
 * `to_datum(advantage)` gives `model_input = full[:-1]`, `target_tokens = full[1:]`, `weights` 1 on
   sampled positions and 0 elsewhere, `logprobs` (the sampler's, 0 elsewhere) and `advantages`
-  (the scalar spread over sampled positions, 0 elsewhere), all aligned with the targets.
+  (the scalar spread over sampled positions, 0 elsewhere), all aligned with the targets;
+  when the last segment is a sample whose sampler recorded its routing (MoE models on the local
+  backend, `sequence_ids.routed_experts`), also `routed_experts` [len(full) - 1, MoE layers,
+  top-k] for rollout routing replay (in `to_json` for the last segment only, as int16 base64:
+  trajectories come back from trials as JSON).
 """
 
 from __future__ import annotations
 
 import array
+import base64
 import functools
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 from tinker import types
 
-from oneloop.backends.sequence_ids import sampled_version
+from oneloop.backends.sequence_ids import routed_experts, sampled_version
 from oneloop.errors import OneloopError
 
 SegmentKind = Literal["prompt", "sampled", "observation"]
@@ -62,6 +67,8 @@ class Segment:
     version: int | None = None
     digest: str | None = None
     stop_reason: str | None = None
+    routing: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """The sampler's routed experts for the request's prompt and this segment (R3); not saved."""
 
     def __post_init__(self) -> None:
         if self.kind not in SEGMENT_KINDS:
@@ -80,7 +87,7 @@ class Segment:
                 f"segment: a {self.kind} segment carries no logprobs, version or digest"
             )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, routing: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "tokens": list(self.tokens)}
         if self.kind == "sampled":
             out |= {
@@ -89,6 +96,8 @@ class Segment:
                 "digest": self.digest,
                 "stop_reason": self.stop_reason,
             }
+            if routing and self.routing is not None:
+                out["routed_experts"] = _routing_to_json(self.routing)
         return out
 
     @classmethod
@@ -118,6 +127,7 @@ class Segment:
         stop_reason = data.get("stop_reason")
         if stop_reason is not None and not isinstance(stop_reason, str):
             raise TitoError(f"{where}.stop_reason: expected a string or null")
+        routing = data.get("routed_experts")
         return cls(
             kind="sampled",
             tokens=tokens,
@@ -125,6 +135,7 @@ class Segment:
             version=version,
             digest=digest,
             stop_reason=stop_reason,
+            routing=None if routing is None else _routing_from_json(routing, where),
         )
 
 
@@ -244,6 +255,7 @@ class Trajectory:
             version=version if version is not None else fallback_version,
             digest=token_digest(tokens_np),
             stop_reason=sequence.stop_reason,
+            routing=routed_experts(sequence),
         )
         return self._extended(segment)
 
@@ -280,9 +292,14 @@ class Trajectory:
                 logprobs[offset:end] = segment.logprobs or ()
             offset = end
         targets_mask = mask[1:]
+        extra = {}
+        last = self.segments[-1]
+        if last.routing is not None and len(last.routing) == self.length - 1:
+            extra["routed_experts"] = types.TensorData.from_numpy(last.routing.astype(np.int64))
         return types.Datum(
             model_input=_token_model_input(list(self._all_tokens[:-1])),
             loss_fn_inputs={
+                **extra,
                 "target_tokens": types.TensorData.from_numpy(full[1:]),
                 "weights": types.TensorData.from_numpy(targets_mask.copy()),
                 "logprobs": types.TensorData.from_numpy(logprobs[1:].copy()),
@@ -297,7 +314,9 @@ class Trajectory:
         return {
             "format": JSON_FORMAT,
             "length": self.length,
-            "segments": [s.to_json() for s in self.segments],
+            "segments": [
+                s.to_json(routing=i == len(self.segments) - 1) for i, s in enumerate(self.segments)
+            ],
         }
 
     @classmethod
@@ -365,3 +384,20 @@ def _int_list(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise TitoError(f"{where}: expected a list of token ids")
     return _int_tuple(value, where)
+
+
+def _routing_to_json(routing: np.ndarray) -> dict[str, Any]:
+    data = np.ascontiguousarray(routing, dtype="<i2")
+    return {"shape": list(data.shape), "int16_b64": base64.b64encode(data.tobytes()).decode()}
+
+
+def _routing_from_json(data: Any, where: str) -> np.ndarray:
+    try:
+        shape = tuple(int(n) for n in data["shape"])
+        flat = np.frombuffer(base64.b64decode(data["int16_b64"]), dtype="<i2")
+        return flat.reshape(shape).astype(np.int16)
+    except (KeyError, TypeError, ValueError) as error:
+        raise TitoError(
+            f"{where}.routed_experts: expected {{shape: [positions, layers, top-k], int16_b64: "
+            f"base64 of little-endian int16}} ({error})"
+        ) from None

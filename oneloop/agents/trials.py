@@ -17,7 +17,12 @@ This module owns running a prompt group (n trials of one task) and the failure p
   → retried with a fresh trial up to `max_infra_retries` times, then the whole group is masked;
   `mcp_server_crash` (a stdio MCP server that had connected exited nonzero during the trial: the
   agent may have carried on without its tools) → an infrastructure failure of its own class,
-  counted apart and handled like `infra_error` (`TrialOutcome.infra`).
+  counted apart and handled like `infra_error` (`TrialOutcome.infra`);
+  `task_config` (the environment cannot run the task: `oneloop.agents.tasks_check`, checked before
+  a group's first trial) → no trial runs, never retried, the group is masked, counted apart.
+
+Multi-step tasks (Harbor's `step_results`) are read through `oneloop.agents.trial_steps`: counts
+and phase times are the steps' sums, and each step's trajectory is kept (`step_trajectories`).
 
 Contract with the agent (`AgentContext.metadata`, all optional): `METADATA_OUTCOME` (a string;
 `TRUNCATION_OUTCOMES` count as truncated), `METADATA_TRAJECTORY` (the TITO trajectory as a JSON
@@ -43,12 +48,14 @@ import ray
 
 from oneloop.agents.environment import NO_CONTAINER_IMPORT_PATH, STDIO_EXIT_PREFIX
 from oneloop.agents.providers import check_environment_choice, preflight_environment
+from oneloop.agents.trial_steps import agent_view, phase_seconds, step_exception
 from oneloop.errors import ConfigError
 
 MCP_AGENT_IMPORT_PATH = "oneloop.agents.mcp_agent:McpToolAgent"
 METADATA_OUTCOME = "outcome"
 METADATA_TRAJECTORY = "tito"
 METADATA_TIMINGS = "timings"
+AGENT_KINDS = ("mcp", "openai_gateway")
 TRUNCATION_OUTCOMES = frozenset({"context_overflow", "length_cap"})
 INFRA_OUTCOMES = frozenset({"infra_error"})
 # Harbor raises this (asyncio.TimeoutError subclass) when the agent phase runs past its timeout.
@@ -65,6 +72,9 @@ class TrialOutcome(StrEnum):
     AGENT_TIMEOUT = "agent_timeout"
     INFRA_ERROR = "infra_error"
     MCP_SERVER_CRASH = "mcp_server_crash"
+    # The task cannot run in the chosen environment (`oneloop.agents.tasks_check`): refused
+    # before any trial, never retried, counted on its own; it masks its group.
+    TASK_CONFIG = "task_config"
 
     @property
     def infra(self) -> bool:
@@ -75,6 +85,7 @@ class TrialOutcome(StrEnum):
 class MaskReason(StrEnum):
     INFRA = "infra_error_after_retries"
     AGENT_TIMEOUTS = "agent_timeouts"
+    TASK_CONFIG = "task_config"
 
 
 @dataclass(frozen=True)
@@ -106,10 +117,21 @@ class TrajectoryResult:
     agent_outcome: str | None = None
     agent_stats: Mapping[str, Any] | None = None  # the agent's metadata minus the trajectory
     attempt_errors: tuple[str, ...] = ()  # errors of earlier attempts (infra errors: they retry)
+    # Multi-step tasks: one TITO trajectory per step, in step order (`trial_steps` says why);
+    # `trajectory` is then None. Single-step: empty.
+    step_trajectories: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def masked(self) -> bool:
-        return self.outcome is TrialOutcome.AGENT_TIMEOUT or self.outcome.infra
+        masking = (TrialOutcome.AGENT_TIMEOUT, TrialOutcome.TASK_CONFIG)
+        return self.outcome.infra or self.outcome in masking
+
+    @property
+    def trajectories(self) -> tuple[Mapping[str, Any], ...]:
+        """Every trajectory of this trial: the steps' (multi-step) or the one (single-step)."""
+        if self.step_trajectories:
+            return self.step_trajectories
+        return (self.trajectory,) if self.trajectory is not None else ()
 
 
 @dataclass(frozen=True)
@@ -136,6 +158,9 @@ class TrialRunnerConfig:
     agent_import_path: str | None = MCP_AGENT_IMPORT_PATH
     agent_name: str | None = None
     agent_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # "mcp": the agent samples token ids itself (sampler_key); "openai_gateway": the agent
+    # speaks /chat/completions to a per-trial gateway session (oneloop.agents.gateway.trial).
+    agent_kind: str = "mcp"
     environment_import_path: str | None = NO_CONTAINER_IMPORT_PATH
     # A Harbor environment type (docker, modal, daytona, ...); set it with import_path None.
     environment_type: str | None = None
@@ -156,6 +181,9 @@ class TrialRunnerConfig:
         if (self.agent_name is None) == (self.agent_import_path is None):
             raise ConfigError("trials: set exactly one of agent_name and agent_import_path")
         check_environment_choice(self.environment_type, self.environment_import_path, "trials")
+        if self.agent_kind not in AGENT_KINDS:
+            raise ConfigError(f"trials.agent_kind: expected one of {AGENT_KINDS}, "
+                              f"got {self.agent_kind!r}")  # fmt: skip
         checks = (
             ("max_concurrent_trials", self.max_concurrent_trials >= 1),
             ("trials_per_second", self.trials_per_second > 0),
@@ -206,8 +234,9 @@ def classify(
     mid-trial count as `mcp_server_crash` even when the agent carried on without its tools (one
     that never came up fails the agent's connect: an exception, so `infra_error`).
     """
-    metadata = (harbor_result.agent_result.metadata or {}) if harbor_result.agent_result else {}
-    info = harbor_result.exception_info
+    view = agent_view(harbor_result, METADATA_TRAJECTORY)
+    metadata = view.metadata
+    info = step_exception(harbor_result)
     if info is not None:
         error = _error_text(info.exception_type, info.exception_message)
         if info.exception_type == AGENT_TIMEOUT_EXCEPTION:
@@ -219,6 +248,8 @@ def classify(
         return TrialOutcome.MCP_SERVER_CRASH, None, error
     if metadata.get(METADATA_OUTCOME) in INFRA_OUTCOMES:
         return TrialOutcome.INFRA_ERROR, None, f"agent reported {metadata[METADATA_OUTCOME]}"
+    if view.missing:  # a step's agent ran and left nothing to train on
+        return TrialOutcome.INFRA_ERROR, None, f"steps {list(view.missing)} reported no trajectory"
     if metadata.get(METADATA_OUTCOME) in TRUNCATION_OUTCOMES:
         return TrialOutcome.TRUNCATED, 0.0, None
     verifier = harbor_result.verifier_result
@@ -253,6 +284,8 @@ def _trial_config(spec: dict[str, Any], trial_name: str, sampler_key: str | None
         agent=AgentConfig(
             name=spec["agent_name"],
             import_path=spec["agent_import_path"],
+            model_name=spec.get("model_name"),
+            env=dict(spec.get("agent_env") or {}),
             kwargs=kwargs,
             override_timeout_sec=spec["agent_timeout_sec"],
         ),
@@ -275,17 +308,26 @@ async def run_one_trial(spec: dict[str, Any], sampling_client: Any) -> Trajector
 
     started = time.monotonic()
     trial_name = f"{Path(spec['task']).name}__{uuid.uuid4().hex[:10]}"
-    sampler_key = None
-    if sampling_client is not None:
+    sampler_key = gateway = None
+    if spec.get("agent_kind") == "openai_gateway":
+        from oneloop.agents.gateway.trial import MODEL_NAME, GatewayTrial
+
+        gateway = GatewayTrial(dict(spec["agent_kwargs"]), sampling_client, trial_name)
+        spec = {**spec, "model_name": f"openai/{MODEL_NAME}"}
+    elif sampling_client is not None:
         from oneloop.agents.registry import register_sampler, unregister_sampler
 
         sampler_key = f"trial-{trial_name}"
         register_sampler(sampler_key, sampling_client)
     try:
+        if gateway is not None:
+            spec = {**spec, "agent_kwargs": gateway.start(), "agent_env": gateway.env}
         trial = await asyncio.wait_for(
             Trial.create(_trial_config(spec, trial_name, sampler_key)), timeout=60.0
         )
         result = await asyncio.wait_for(trial.run(), timeout=spec["trial_timeout_sec"])
+        if gateway is not None:
+            gateway.finish(result)
     except Exception as exc:  # every failure is a value; see TrialOutcome
         return TrajectoryResult(
             outcome=TrialOutcome.INFRA_ERROR,
@@ -299,23 +341,27 @@ async def run_one_trial(spec: dict[str, Any], sampling_client: Any) -> Trajector
     finally:
         if sampler_key is not None:
             unregister_sampler(sampler_key)
+        if gateway is not None:
+            gateway.stop()
     outcome, reward, error = classify(result, Path(spec["trials_dir"]) / trial_name)
-    metadata = (result.agent_result.metadata or {}) if result.agent_result else {}
+    view = agent_view(result, METADATA_TRAJECTORY)  # steps merged (multi-step tasks)
+    metadata = view.metadata
     agent_timings = metadata.get(METADATA_TIMINGS) or {}
-    trajectory = metadata.get(METADATA_TRAJECTORY)
-    stats = {k: v for k, v in metadata.items() if k != METADATA_TRAJECTORY} or None
+    stats = metadata or None
+    agent_sec, verifier_sec = phase_seconds(result)
     return TrajectoryResult(
         outcome=outcome,
         reward=reward,
-        trajectory=trajectory if isinstance(trajectory, dict) else None,
+        trajectory=view.trajectories[0] if view.trajectories and not view.step_names else None,
+        step_trajectories=view.trajectories if view.step_names else (),
         timings=TrialTimings(
             env_start_sec=_seconds(result.environment_setup),
             agent_setup_sec=_seconds(result.agent_setup),
-            agent_sec=_seconds(result.agent_execution),
+            agent_sec=agent_sec,
             llm_sec=float(agent_timings.get("llm_sec", 0.0)),
             tool_sec=float(agent_timings.get("tool_sec", 0.0)),
             mcp_connect_sec=float(agent_timings.get("mcp_connect_sec", 0.0)),
-            verifier_sec=_seconds(result.verifier),
+            verifier_sec=verifier_sec,
             total_sec=time.monotonic() - started,
         ),
         error=error,
@@ -376,11 +422,13 @@ class TrialRunner:
         self._semaphore = asyncio.Semaphore(cfg.max_concurrent_trials)
         self._rate = _RateLimiter(cfg.trials_per_second)
         self._counts: Counter[str] = Counter()
+        self._refused: dict[Path, str | None] = {}
         self._spec_base = {
             "trials_dir": str(Path(cfg.trials_dir).absolute()),
             "agent_name": cfg.agent_name,
             "agent_import_path": cfg.agent_import_path,
             "agent_kwargs": dict(cfg.agent_kwargs),
+            "agent_kind": cfg.agent_kind,
             "agent_timeout_sec": cfg.agent_timeout_sec,
             "environment_import_path": cfg.environment_import_path,
             "environment_type": cfg.environment_type,
@@ -475,6 +523,8 @@ class TrialRunner:
             raise ConfigError(f"n must be a positive integer, got {n!r}")
         if not ray.is_initialized():
             raise ConfigError("Ray is not initialized; call ray.init(...) before run_group")
+        if (refused := self._refused_group(task_path, n)) is not None:
+            return refused  # no trial can run it: never retried
         results = tuple(
             await asyncio.gather(
                 *(
@@ -493,6 +543,25 @@ class TrialRunner:
         if mask_reason is not None:
             self._counts[f"groups/masked_{mask_reason}"] += 1
         return GroupResult(task=str(task_path), results=results, mask_reason=mask_reason)
+
+
+    def _refused_group(self, task_path: Path, n: int) -> GroupResult | None:
+        """`n` task_config results when the environment cannot run the task (`tasks_check`,
+        cached per task), else None."""
+        if task_path not in self._refused:
+            from oneloop.agents.tasks_check import check_task, is_container_free
+
+            free = is_container_free(self.cfg.environment_type, self.cfg.environment_import_path)
+            self._refused[task_path] = "; ".join(check_task(task_path, free)) or None
+        if (reason := self._refused[task_path]) is None:
+            return None
+        result = TrajectoryResult(
+            TrialOutcome.TASK_CONFIG, None, None, TrialTimings(), f"task refused: {reason}", 0, ""
+        )
+        self._counts[f"trials/final_{TrialOutcome.TASK_CONFIG}"] += n
+        self._counts["groups/total"] += 1
+        self._counts[f"groups/masked_{MaskReason.TASK_CONFIG}"] += 1
+        return GroupResult(str(task_path), (result,) * n, MaskReason.TASK_CONFIG)
 
 
 _RUNNERS: dict[str, TrialRunner] = {}

@@ -14,6 +14,10 @@ BUILTIN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cisp
 # SDK 0.38's built-ins that only the Tinker service computes: its objective is not published, so
 # the local backend refuses it with the reason (`megatron_local.losses.UNSUPPORTED_BUILTINS`).
 SERVICE_ONLY_LOSSES = frozenset({"stable_reinforce"})
+ROUTING_REPLAY_SUPPORT = (
+    "it needs the local backend with the torch trainer and torch sampler engines (a Tinker "
+    "service returns no routed experts and cannot replay them; megatron / vllm: not yet)"
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class Capabilities:
     """Known base models; empty = not enumerable (any name is tried)."""
     full_finetune_sampler_kinds: frozenset[str] | None = None
     """Sampler kinds of full fine-tuning runs when fewer than `sampler_kinds` (None = the same)."""
+    routing_replay: bool = False
+    """Rollout routing replay (R3) on MoE models: samples carry the experts each token was routed
+    to and training replays them (`algo.routing_replay`)."""
 
     def check(
         self,
@@ -40,8 +47,14 @@ class Capabilities:
         sampler_kind: str | None = None,
         lora_rank: int | None = None,
         base_model: str | None = None,
+        routing_replay: bool = False,
     ) -> None:
         """Raise CapabilityError naming the first knob this backend cannot honour."""
+        if routing_replay and not self.routing_replay:
+            raise CapabilityError(
+                f"routing replay (R3) is not supported by backend {self.backend!r}: "
+                + ROUTING_REPLAY_SUPPORT
+            )
         for loss_fn in loss_fns:
             if loss_fn not in self.losses:
                 raise CapabilityError(
@@ -106,6 +119,7 @@ def local_capabilities(
         full_finetune=True,
         max_lora_rank=max_lora_rank,
         models=frozenset(models),
+        routing_replay=trainer_engine == "torch" and sampler_engine == "torch",
     )
 
 

@@ -58,9 +58,9 @@ class MegatronSettings(_Strict):
     """Settings of the `megatron` trainer engine (GPU)."""
 
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel size: ranks 1.. run as worker processes on the trainer actor's other GPUs
-    (give the actor `gpus_per_trainer` = tp GPUs); LoRA adapters are split like their base
-    linears (`megatron.parallel.lora_tp`), with pp = cp = 1."""
+    """Tensor-parallel size: every rank of a group of more than one is a Ray actor of one GPU in
+    the trainer's placement group (`gpus_per_trainer` = dp · tp · pp · cp); LoRA adapters are split
+    like their base linears (`megatron.parallel.lora_tp`), with pp = cp = 1."""
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel size: the decoder layers split evenly over pp stages (pp must divide
     num_hidden_layers), run by megatron-core's 1F1B schedule over the token-budget micro-batches
@@ -71,6 +71,13 @@ class MegatronSettings(_Strict):
     all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel size (this release: 1; waits for MoE models in the megatron engine)."""
+    dp: int | None = Field(default=None, ge=1)
+    """Data-parallel size: replicas of the tp × pp × cp model, each call's datums split over them
+    by token count, gradients summed by Megatron's DDP, the distributed optimizer sharded over them
+    (pp = 1); None = local.gpus_per_trainer / (tp · pp · cp), at least 1."""
+    placement_strategy: Literal["auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "auto"
+    """Ray placement strategy of the group's rank actors (one bundle per rank); auto = STRICT_PACK
+    when the group fits one node, else PACK (TP × CP blocks on one node, DP replicas span nodes)."""
     use_distributed_optimizer: bool = True
     """Megatron's distributed optimizer (fp32 main params sharded over data-parallel ranks)."""
     optimizer_cpu_offload: bool = False
@@ -84,6 +91,10 @@ class MegatronSettings(_Strict):
 class VllmSettings(_Strict):
     """Settings of the `vllm` sampler engine (GPU)."""
 
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size of one engine: its GPUs (whole ones, on one node: one Ray placement
+    group) and vLLM's `tensor_parallel_size`; weights reach every worker through the object store
+    (`local.weight_sync` cuda_ipc / nccl write a single worker's layout: tp = 1 only)."""
     gpu_memory_utilization: float = Field(default=0.4, gt=0, le=1)
     """Fraction of GPU memory vLLM takes (weights + KV cache); keep < 0.5 beside a trainer."""
     max_model_len: int = Field(default=4096, gt=0)
@@ -132,7 +143,8 @@ class LocalBackendConfig(_Strict):
     max_snapshots: int = Field(default=8, gt=0)
     """Snapshot weight sets a sampler keeps in memory; older ones are evicted (requests then fail clearly)."""
     ray_address: str | None = None
-    """Address of an existing Ray cluster; None starts a local one (`ray.init`)."""
+    """Address of an existing Ray cluster (`auto`: the one `ray start` runs on this node, as
+    `scripts/cluster/` starts it); None starts a local one (`ray.init`)."""
     ray_num_cpus: int | None = Field(default=None, gt=0)
     """CPUs a locally started Ray advertises; None = Ray's default (the host's cores)."""
     max_lora_rank: int = Field(default=256, gt=0)
@@ -166,6 +178,25 @@ class LocalBackendConfig(_Strict):
                     f"{knob}={getattr(self, knob)!r} (nothing would read it): set {knob}: "
                     f"{engine}, or drop local.{section}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_tp_whole_gpus(self) -> "LocalBackendConfig":
+        tp = self.vllm.tp
+        if tp == 1:
+            return self
+        if self.weight_sync in ("cuda_ipc", "nccl"):
+            raise ValueError(
+                f"local.weight_sync={self.weight_sync} writes one vLLM worker's parameter layout, "
+                f"but local.vllm.tp={tp} shards each engine over {tp} workers: use auto or "
+                "object_store (every worker loads its shard), or local.vllm.tp=1"
+            )
+        if self.gpus_per_sampler not in (0, tp):
+            raise ValueError(
+                f"local.gpus_per_sampler={self.gpus_per_sampler:g}: a vllm engine of "
+                f"local.vllm.tp={tp} holds {tp} whole GPUs on one node; set "
+                f"local.gpus_per_sampler={tp} (or leave it 0)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -169,15 +169,29 @@ METRIC_COLUMNS = (
     "rollout/reward_mean", "rollout/trajectories_masked", "time/rollout_llm_s",
     "time/rollout_env_s",
 )  # fmt: skip
+ROUTING_COLUMNS = (
+    "train/logprob_gap_replay_mean", "train/logprob_gap_free_mean", "train/routing_differ_frac",
+)  # fmt: skip
+"""Routing replay (R3) columns, shown when the run logged them (MoE models, algo.routing_replay)."""
+
+
+GATEWAY_COLUMNS = ("rollout/gateway_requests", "rollout/gateway_new_segments",
+                   "rollout/gateway_history_rewrites")  # fmt: skip
+"""OpenAI-gateway columns, shown when the run logged them (`agent.kind: openai_gateway`)."""
 
 
 def train_steps(run_dir: Path) -> list[dict[str, Any]]:
-    """The RL step lines of metrics.jsonl, reduced to METRIC_COLUMNS."""
+    """The RL step lines of metrics.jsonl, reduced to METRIC_COLUMNS (and ROUTING_COLUMNS when
+    the run logged them)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
     rows = [row for row in rec.read_records(path) if "train/loss" in row]
-    return [{"step": row["step"]} | {c: row.get(c) for c in METRIC_COLUMNS} for row in rows]
+    replay = any(ROUTING_COLUMNS[-1] in row for row in rows)
+    columns = METRIC_COLUMNS + (ROUTING_COLUMNS if replay else ())
+    if any(GATEWAY_COLUMNS[0] in row for row in rows):
+        columns += GATEWAY_COLUMNS
+    return [{"step": row["step"]} | {c: row.get(c) for c in columns} for row in rows]
 
 
 def inspect_markdown(data: Mapping[str, Any]) -> str:
@@ -205,9 +219,10 @@ def inspect_markdown(data: Mapping[str, Any]) -> str:
           f["tokens"]) for f in flagged],
     ) if flagged else "None.\n")  # fmt: skip
     if data["train_steps"]:
+        columns = [c for c in data["train_steps"][0] if c != "step"]
         parts += ["\n## Training steps (metrics.jsonl)\n", report.table(
-            ["step", *METRIC_COLUMNS],
-            [[row["step"], *(row[c] for c in METRIC_COLUMNS)] for row in data["train_steps"]],
+            ["step", *columns],
+            [[row["step"], *(row[c] for c in columns)] for row in data["train_steps"]],
         )]  # fmt: skip
     parts.append("\n## Largest trainer-vs-sampler logprob gaps\n")
     if gaps is None:

@@ -11,8 +11,13 @@ directories (`<run>/trials/*/result.json`, one record per attempt). Fields:
     tokens: {prompt, sampled, observation, total}
     timings: TrialTimings as a dict (seconds)
     tool_calls: [{tool, server, arguments, status, result, sec, failed, failure}]
-    segments: [{kind, trained, tokens, text}]   (trained = the loss mask: sampled tokens)
+    segments: [{kind, trained, tokens, text, step_name}]   (trained = the loss mask: sampled
+        tokens; a multi-step trial lists every step's segments in step order, `step_name` set)
     digest (the first sampled segment's TITO digest: joins the loop's logprob_gaps.jsonl rows)
+    steps: the step names of a multi-step task ([] otherwise); turns, repairs, tool calls and
+        timings are the sums over the steps (`oneloop.agents.trial_steps`)
+
+A `task_config` outcome (a task refused before any trial) has 0 attempts and counts apart.
 
 A tool call failed when the MCP status is not `ok` (the `is_error` flag, a timeout, an exception,
 an unknown tool) or, for an `ok` call, when its result text matches one of the error patterns
@@ -29,6 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from oneloop.agents.trial_steps import agent_view, phase_seconds, seconds
 from oneloop.agents.trials import METADATA_TRAJECTORY, TrajectoryResult, TrialOutcome
 from oneloop.errors import ConfigError
 
@@ -74,17 +80,23 @@ def task_category(task_dir: Path) -> str:
     return str(task_metadata(task_dir).get("category") or UNCATEGORIZED)
 
 
-def _segments(trajectory: Mapping[str, Any] | None, decode: Decode | None) -> list[dict]:
-    if not trajectory:
-        return []
+def _segments(
+    trajectories: Sequence[Mapping[str, Any]], decode: Decode | None, steps: Sequence[str]
+) -> list[dict]:
     out = []
-    for segment in trajectory.get("segments") or []:
-        tokens = segment.get("tokens") or []
-        row = {"kind": segment.get("kind"), "trained": segment.get("kind") == "sampled"}
-        row["tokens"] = len(tokens)
-        if decode is not None:
-            row["text"] = decode(tokens)
-        out.append(row)
+    names: Sequence[str | None] = steps if len(steps) == len(trajectories) else [None] * len(
+        trajectories
+    )
+    for trajectory, step_name in zip(trajectories, names, strict=True):
+        for segment in trajectory.get("segments") or []:
+            tokens = segment.get("tokens") or []
+            row = {"kind": segment.get("kind"), "trained": segment.get("kind") == "sampled"}
+            row["tokens"] = len(tokens)
+            if decode is not None:
+                row["text"] = decode(tokens)
+            if step_name is not None:
+                row["step_name"] = step_name
+            out.append(row)
     return out
 
 
@@ -113,16 +125,21 @@ def build_record(
     decode: Decode | None,
     pass_threshold: float,
     step: int | None = None,
+    step_trajectories: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     stats = dict(agent_stats or {})
+    trajectories = list(step_trajectories) or ([trajectory] if trajectory else [])
+    steps = [str(s.get("step_name")) for s in stats.get("steps") or []]
     calls = []
     for call in stats.get("tool_calls") or []:
         failure = call_failure(call, patterns)
         calls.append(dict(call) | {"failed": failure is not None, "failure": failure})
-    segments = _segments(trajectory, decode)
-    digests = [s.get("digest") for s in (trajectory or {}).get("segments") or [] if s.get("digest")]
-    masked = outcome == TrialOutcome.AGENT_TIMEOUT or TrialOutcome(outcome).infra
-    infra = (attempts - 1) + (1 if TrialOutcome(outcome).infra else 0)
+    segments = _segments(trajectories, decode, steps)
+    digests = [s.get("digest") for t in trajectories for s in t.get("segments") or []]
+    digests = [d for d in digests if d]
+    kind = TrialOutcome(outcome)
+    masked = kind in (TrialOutcome.AGENT_TIMEOUT, TrialOutcome.TASK_CONFIG) or kind.infra
+    infra = max(0, attempts - 1) + (1 if kind.infra else 0)
     return {
         "task": Path(task).name,
         "task_path": str(task),
@@ -147,6 +164,7 @@ def build_record(
         "tool_calls": calls,
         "segments": segments,
         "digest": digests[0] if digests else None,  # first sampled segment's (joins gap rows)
+        "steps": steps,
     }
 
 
@@ -171,6 +189,7 @@ def record_from_result(
         trial_name=result.trial_name,
         agent_stats=result.agent_stats,
         trajectory=result.trajectory,
+        step_trajectories=result.step_trajectories,
         timings=asdict(result.timings),
         patterns=patterns,
         decode=decode,
@@ -200,15 +219,17 @@ def records_from_trials_dir(
         except (OSError, ValueError):
             continue  # a trial still running or killed before Harbor wrote its result
         outcome, reward, error = classify(result, path.parent)
-        metadata = (result.agent_result.metadata or {}) if result.agent_result else {}
+        view = agent_view(result, METADATA_TRAJECTORY)  # steps merged (multi-step tasks)
+        metadata = view.metadata
         kwargs = result.config.agent.kwargs or {}
         agent_timings = metadata.get(METADATA_TIMINGS) or {}
+        agent_sec, verifier_sec = phase_seconds(result)
         timings = {
-            "env_start_sec": _seconds(result.environment_setup),
-            "agent_setup_sec": _seconds(result.agent_setup),
-            "agent_sec": _seconds(result.agent_execution),
-            "verifier_sec": _seconds(result.verifier),
-            "total_sec": _seconds(result),  # started_at .. finished_at of the whole trial
+            "env_start_sec": seconds(result.environment_setup),
+            "agent_setup_sec": seconds(result.agent_setup),
+            "agent_sec": agent_sec,
+            "verifier_sec": verifier_sec,
+            "total_sec": seconds(result),  # started_at .. finished_at of the whole trial
             **{k: float(v) for k, v in agent_timings.items()},
         }
         version = kwargs.get("sampler_version")
@@ -221,22 +242,15 @@ def records_from_trials_dir(
             error=error,
             attempt_errors=(),
             trial_name=result.trial_name,
-            agent_stats={k: v for k, v in metadata.items() if k != METADATA_TRAJECTORY},
-            trajectory=metadata.get(METADATA_TRAJECTORY),
+            agent_stats=metadata,
+            trajectory=view.trajectories[0] if view.trajectories and not view.step_names else None,
+            step_trajectories=view.trajectories if view.step_names else (),
             timings=timings,
             patterns=patterns,
             decode=decode,
             pass_threshold=pass_threshold,
             step=int(version) if version is not None else None,
         )
-
-
-def _seconds(timing: Any) -> float:
-    """Seconds between a Harbor timing's (or result's) started_at and finished_at; 0 if unset."""
-    started, finished = getattr(timing, "started_at", None), getattr(timing, "finished_at", None)
-    if started is None or finished is None:
-        return 0.0
-    return max(0.0, (finished - started).total_seconds())
 
 
 def write_records(path: Path, records: Iterable[Mapping[str, Any]]) -> None:

@@ -20,6 +20,10 @@ copy and Adam m and v, 4 B each; bf16 weights and grads give the usual 16 B/para
 frozen base in the weight dtype and pays those bytes per parameter for the adapters only.
 Activations are not included. Per-GPU figures assume the states are sharded evenly over
 `--trainer-gpus` (Megatron TP/PP/EP with the distributed optimizer).
+
+Trainer/sampler split (`--nodes N`): the trainer keeps `--trainer-gpus` on whole nodes, the
+rest sample; the throughput model and its stated assumptions are in `oneloop.diagnostics.split`.
+`--engines` then defaults to the engines the split leaves (`--tp` GPUs each).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ from oneloop.diagnostics.model_shape import (
     lora_param_lines,
     param_count,
 )
+from oneloop.diagnostics.split import SplitInputs, compute_split, engines_on
 
 GIB = 2**30
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v, 4 B each
@@ -110,8 +115,9 @@ def _kv_section(s: ModelShape, x: SizeInputs, lines: list[str], notes: list[str]
     return {"kv_bytes_per_token": kv_token, "kv_bytes_per_token_per_gpu": kv_token_gpu}
 
 
-def compute(s: ModelShape, x: SizeInputs) -> dict[str, Any]:
-    """Every figure of the report plus the arithmetic lines (`arithmetic`) and `notes`."""
+def compute(s: ModelShape, x: SizeInputs, split: SplitInputs | None = None) -> dict[str, Any]:
+    """Every figure of the report plus the arithmetic lines (`arithmetic`) and `notes`; with
+    `split`, the trainer/sampler split of its nodes (`split`)."""
     lines: list[str] = []
     notes: list[str] = list(s.notes)
     params = param_count(s)
@@ -149,10 +155,24 @@ def compute(s: ModelShape, x: SizeInputs) -> dict[str, Any]:
             f"{_gib(weights_gpu)} of weights; raise --tp or --gpu-memory-gib"
         )
     per_engine = kv_tokens // x.mean_trajectory_tokens
+    state = linear_state_bytes_per_gpu(s, x, lines)
+    if state and fits:  # a sequence also holds its linear-attention layers' fixed-size state
+        per_sequence = x.mean_trajectory_tokens * kv["kv_bytes_per_token_per_gpu"] + state
+        per_engine = budget // per_sequence
+        lines.append(
+            f"sequences per engine = floor({budget:,} / ({x.mean_trajectory_tokens:,} tokens * "
+            f"{kv['kv_bytes_per_token_per_gpu']:,} B + {state:,} B linear-attention state)) = "
+            f"{per_engine:,}"
+        )
     system_cap = x.engines * per_engine
+    per_engine_how = (
+        "sequences per engine"
+        if state and fits
+        else f"floor({kv_tokens:,} / {x.mean_trajectory_tokens:,} mean trajectory tokens)"
+    )
     lines.append(
-        f"system cap = {x.engines} engines * floor({kv_tokens:,} / {x.mean_trajectory_tokens:,} "
-        f"mean trajectory tokens) = {x.engines} * {per_engine:,} = {system_cap:,}"
+        f"system cap = {x.engines} engines * {per_engine_how} = {x.engines} * {per_engine:,} = "
+        f"{system_cap:,}"
     )
     s_, b, n = x.max_staleness, x.groups_per_step, x.samples_per_group
     staleness_cap = (s_ + 1) * b * n
@@ -164,6 +184,7 @@ def compute(s: ModelShape, x: SizeInputs) -> dict[str, Any]:
         f"{recommended:,} ({bound}-bound)"
     )
     trainer = _trainer_section(s, x, params.total, lines)
+    split_figures = compute_split(s, params.total, split, lines) if split is not None else None
     return {
         "model": {
             "config": str(s.source),
@@ -189,9 +210,31 @@ def compute(s: ModelShape, x: SizeInputs) -> dict[str, Any]:
         "recommended_max_concurrency": recommended,
         "bound": bound,
         **trainer,
+        "split": split_figures,
         "arithmetic": lines,
         "notes": notes,
     }
+
+
+def linear_state_bytes_per_gpu(s: ModelShape, x: SizeInputs, lines: list[str]) -> int:
+    """Bytes one sequence's Gated DeltaNet layers keep per sampler GPU, whatever its length: the
+    recurrent state (value heads * key dim * value dim) and the causal conv's last kernel-1
+    inputs (q, k, v channels), heads split over TP, in the KV dtype; 0 without such layers."""
+    linear = sum(a is Attention.LINEAR for a in s.attention)
+    if not linear or s.linear is None:
+        return 0
+    la, b = s.linear, DTYPE_BYTES[x.kv_dtype]
+    heads = max(1, la.value_heads // x.tp)
+    recurrent = heads * la.key_head_dim * la.value_head_dim
+    channels = (2 * la.key_heads * la.key_head_dim + la.value_heads * la.value_head_dim) // x.tp
+    conv = (la.conv_kernel - 1) * max(1, channels)
+    state = linear * (recurrent + conv) * b
+    lines.append(
+        f"linear-attention state/sequence per GPU = {linear} layers * ({heads} value heads * "
+        f"{la.key_head_dim} * {la.value_head_dim} + conv {la.conv_kernel - 1} * {channels}) * "
+        f"{b} B = {state:,} B"
+    )
+    return state
 
 
 def _trainer_section(s: ModelShape, x: SizeInputs, total: int, lines: list[str]) -> dict[str, Any]:
@@ -239,6 +282,15 @@ def format_text(report: dict[str, Any]) -> str:
         f"trainer, full fine-tuning:   {_gib(report['trainer_full_bytes'])}",
         f"trainer, LoRA:               {_gib(report['trainer_lora_bytes'])}",
     ]
+    split = report.get("split")
+    if split:
+        waits = "waits" if split["trainer_waits"] else "never waits"
+        out += [
+            f"split:                       trainer {split['trainer_gpus']} GPUs on "
+            f"{split['trainer_nodes']} node(s), samplers {split['sampler_gpus']} GPUs "
+            f"({split['engines']} engines); the trainer {waits}",
+            f"nodes so it never waits:     {split['nodes_needed']}",
+        ]
     out += [f"note: {note}" for note in report["notes"]]
     return "\n".join(out)
 
@@ -274,7 +326,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="config.json of a Hugging Face model, or its directory")
     req = [
         ("--gpu-memory-gib", "memory of one GPU, GiB"),
-        ("--engines", "number of sampler engines"),
         ("--mean-trajectory-tokens", "mean tokens of one trajectory (prompt + all turns)"),
         ("--max-staleness", "S: max staleness in steps"),
         ("--groups-per-step", "B: groups (prompts) per training step"),
@@ -282,6 +333,7 @@ def _parser() -> argparse.ArgumentParser:
     ]
     for flag, help_ in req:
         p.add_argument(flag, required=True, help=help_)
+    p.add_argument("--engines", help="number of sampler engines (required unless --nodes)")
     p.add_argument("--tp", default="1", help="GPUs per sampler engine (tensor parallel)")
     p.add_argument("--dtype", default=None, help="weight dtype (default: the config's, else bf16)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
@@ -294,6 +346,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", default="0", help="per-GPU memory held back (activations)")
     p.add_argument("--lora-rank", default="32", help="LoRA rank for the LoRA trainer figure")
     p.add_argument("--trainer-gpus", default="1", help="GPUs the trainer states are sharded over")
+    p.add_argument("--nodes", help="split this many nodes between trainer and samplers")
+    p.add_argument("--gpus-per-node", default="8", help="with --nodes: GPUs of one node")
+    p.add_argument("--gpu-tflops", default="989", help="with --nodes: dense bf16 TFLOP/s of a GPU")
+    p.add_argument("--train-mfu", default="0.35", help="with --nodes: trainer FLOP utilisation")
+    p.add_argument("--sample-mfu", default="0.04", help="with --nodes: sampler FLOP utilisation")
+    p.add_argument("--train-tokens-per-gpu-s", help="measured trainer rate (replaces the model)")
+    p.add_argument("--sample-tokens-per-gpu-s", help="measured sampler rate (replaces the model)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -307,7 +366,7 @@ def parse_inputs(args: argparse.Namespace, shape: ModelShape) -> SizeInputs:
     x = SizeInputs(
         config=Path(args.config),
         gpu_memory_gib=num("gpu-memory-gib", integer=False, minimum=0, strict=True),
-        engines=num("engines"),
+        engines=num("engines") if args.engines is not None else 1,
         tp=num("tp"),
         mean_trajectory_tokens=num("mean-trajectory-tokens"),
         max_staleness=num("max-staleness", minimum=0),
@@ -334,6 +393,43 @@ def parse_inputs(args: argparse.Namespace, shape: ModelShape) -> SizeInputs:
     return x
 
 
+def parse_split(
+    args: argparse.Namespace, shape: ModelShape
+) -> tuple[SizeInputs, SplitInputs | None]:
+    """The size inputs and, with `--nodes`, the split's (the engines it leaves become
+    `--engines` unless that is given)."""
+    if args.nodes is None:
+        if args.engines is None:
+            raise SizeInputError("--engines: required (the sampler engines), or give --nodes")
+        return parse_inputs(args, shape), None
+    x = parse_inputs(args, shape)
+
+    def num(name: str, *, integer: bool = True, strict: bool = False) -> Any:
+        text = getattr(args, name.replace("-", "_"))
+        minimum = Fraction(0 if strict else 1)
+        return _number(name, text, integer=integer, minimum=minimum, strict=strict)
+
+    def rate(name: str) -> Fraction | None:
+        return None if getattr(args, name.replace("-", "_")) is None else num(
+            name, integer=False, strict=True)  # fmt: skip
+
+    split = SplitInputs(
+        nodes=num("nodes"),
+        gpus_per_node=num("gpus-per-node"),
+        trainer_gpus=x.trainer_gpus,
+        tp=x.tp,
+        tokens_per_step=x.groups_per_step * x.samples_per_group * x.mean_trajectory_tokens,
+        gpu_tflops=num("gpu-tflops", integer=False, strict=True),
+        train_mfu=num("train-mfu", integer=False, strict=True),
+        sample_mfu=num("sample-mfu", integer=False, strict=True),
+        train_rate=rate("train-tokens-per-gpu-s"),
+        sample_rate=rate("sample-tokens-per-gpu-s"),
+    )
+    if args.engines is None:
+        x = replace(x, engines=max(1, engines_on(split)[1]))
+    return x, split
+
+
 def main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -341,7 +437,8 @@ def main(argv: list[str]) -> int:
         return int(exc.code or 0)
     try:
         shape = load_shape(args.config)
-        report = compute(shape, parse_inputs(args, shape))
+        x, split = parse_split(args, shape)
+        report = compute(shape, x, split)
     except SizeInputError as exc:
         print(f"oneloop size: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

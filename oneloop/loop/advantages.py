@@ -43,9 +43,11 @@ def has_variance(rewards: list[float]) -> bool:
 
 
 def build_datums(
-    groups: list[ScoredGroup], reduction: str, std_normalize: bool
+    groups: list[ScoredGroup], reduction: str, std_normalize: bool, routing_replay: bool = False
 ) -> tuple[list[types.Datum], list[np.ndarray]]:
-    """RL datums for `groups` (in the given order) and each datum's sampled-position mask."""
+    """RL datums for `groups` (in the given order) and each datum's sampled-position mask; the
+    sampler's routed experts (`routed_experts`) are kept only with `routing_replay` (R3)."""
+    dropped = {"weights"} if routing_replay else {"weights", "routed_experts"}
     total_tokens = sum(t.num_sampled_tokens for g in groups for t in g.trajectories)
     datums, masks = [], []
     for group in groups:
@@ -59,7 +61,7 @@ def build_datums(
                 scale = 1.0 / (len(groups) * max(group_tokens, 1))
             datum = trajectory.to_datum(float(advantage * scale))
             mask = datum.loss_fn_inputs["weights"].to_numpy() > 0
-            inputs = {k: v for k, v in datum.loss_fn_inputs.items() if k != "weights"}
+            inputs = {k: v for k, v in datum.loss_fn_inputs.items() if k not in dropped}
             datums.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
             masks.append(mask)
     return datums, masks

@@ -29,6 +29,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--run-dir", help="overrides run_dir")
     parser.add_argument("--max-steps", type=int, help="overrides algo.max_steps")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--plan", action="store_true",
+                        help="print where ranks and engines go (node, GPU), start nothing")
+    parser.add_argument("--cluster", type=Path,
+                        help="with --plan: a described cluster (YAML/JSON) instead of Ray's")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
@@ -53,6 +57,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    if args.plan or args.cluster:
+        return print_plan(cfg, args.cluster, args.plan)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from oneloop.loop.rollouts import NoTrainableGroupsError
     from oneloop.loop.train import train
@@ -69,6 +75,24 @@ def main(argv: list[str]) -> int:
         print(f"oneloop train: {stop}; {resume_hint(cfg.run_dir)}", file=sys.stderr)
         return stop.exit_status
     print({k: round(v, 4) for k, v in summary.items() if k.startswith(("eval", "rollout/reward"))})
+    return 0
+
+
+def print_plan(cfg, cluster: Path | None, plan: bool) -> int:
+    """`--plan [--cluster FILE]`: the backend's placement plan, printed; no engine starts.
+    Exit 2 when the layout does not fit (the error names what is short)."""
+    if not plan:
+        print("config error: --cluster describes the cluster for --plan; add --plan",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from oneloop.backends import plan as backend_plan
+
+    try:
+        placement = backend_plan(cfg.backend, cluster)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    print(placement.format())
     return 0
 
 

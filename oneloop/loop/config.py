@@ -77,6 +77,12 @@ class AgentConfig(_Strict):
     """Nucleus sampling mass."""
     system_prompt: str | None = None
     """System message before the task instruction."""
+    kind: Literal["mcp", "openai_gateway"] = "mcp"
+    """`mcp`: our MCP agent samples token ids itself; `openai_gateway`: the Harbor agent at
+    `import_path` speaks `/chat/completions` to a per-trial TITO gateway session."""
+    import_path: str | None = None
+    """Harbor agent class (`module:Class`); None = oneloop's MCP agent (kind `mcp`) or its
+    LiteLLM tool agent (kind `openai_gateway`)."""
 
 
 class RolloutConfig(_Strict):
@@ -141,6 +147,9 @@ class AlgoConfig(_Strict):
     """Global gradient-norm clip (0 = off)."""
     sampler_kind: Literal["auto", "inflight", "snapshot"] = "auto"
     """Sampling client kind; auto = inflight where the backend supports it."""
+    routing_replay: bool = False
+    """Rollout routing replay (R3), MoE models only: the trainer computes each sampled token with
+    the experts the sampler routed it to (local backend, torch engines; refused elsewhere)."""
     seed: int = 0
     """Seed of data order and sampling seeds."""
 
@@ -167,6 +176,9 @@ class EvalConfig(_Strict):
     """Samples per held-out task (count)."""
     temperature: float = Field(default=0.0, ge=0)
     """Sampling temperature of evaluation (0 = greedy)."""
+    agent: str = "mcp"
+    """Harbor agent of `oneloop eval` (mcp, oracle, a Harbor agent name, module:Class); the
+    training loop's held-out evaluation runs its own model, so it accepts mcp only."""
 
 
 class CheckpointConfig(_Strict):
@@ -226,6 +238,31 @@ class TrainConfig(_Strict):
             )
         return self
 
+    def check_model(self) -> None:
+        """Routing replay and expert parallelism against the backend and the model's config
+        (`load_config` runs it, before any engine starts); CapabilityError naming the field."""
+        from oneloop.backends import model_check
+        from oneloop.backends.capabilities import TINKER_SERVICE, local_capabilities
+
+        local = self.backend.local
+        replay = self.algo.routing_replay
+        if replay:
+            caps = (
+                local_capabilities(1, (), local.trainer_engine, local.sampler_engine)
+                if self.backend.backend == "local"
+                else TINKER_SERVICE
+            )
+            model_check.check_routing_replay_backend(
+                caps.routing_replay, self.backend.backend, "algo.routing_replay"
+            )
+        ep = local.megatron.ep if self.backend.backend == "local" else 1
+        if replay or ep > 1:
+            config = model_check.model_config(self.backend.models, self.model.base_model)
+            if config is not None:
+                model_check.check_model(
+                    config, base_model=self.model.base_model, ep=ep, routing_replay=replay
+                )
+
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     """Set `tree[a][b][c] = value` for `a.b.c`, creating mappings on the way."""
@@ -279,6 +316,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
         set_dotted(raw, key.strip(), yaml.safe_load(text))
     try:
-        return TrainConfig.model_validate(raw)
+        config = TrainConfig.model_validate(raw)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
+    config.check_model()
+    return config

@@ -144,6 +144,36 @@ class BackendCounters:
         return out
 
 
+GATEWAY_COUNTERS = ("requests", "continued", "new_segments", "history_rewrites",
+                    "unchosen_choices", "sample_timeouts", "sample_errors")  # fmt: skip
+"""Per-trial counters of the OpenAI gateway (`agent.kind: openai_gateway`) summed into
+`rollout/gateway_<name>`; `new_segments` beyond one per trial are history rewrites."""
+
+
+def gateway_counts(agent_stats: Mapping[str, Any] | None) -> dict[str, int]:
+    """`gateway_<name>` counts of one trial's gateway session ({} for other agents)."""
+    gateway = (agent_stats or {}).get("gateway")
+    if not isinstance(gateway, Mapping):
+        return {}
+    return {f"gateway_{k}": int(gateway.get(k, 0)) for k in GATEWAY_COUNTERS}
+
+
+def routing_metrics(fwd_metrics: Mapping[str, float]) -> dict[str, float]:
+    """Rollout routing replay (R3) lines of a step from the trainer's summed counts (MoE models
+    whose datums carried routing): the mean |trainer − sampler| logprob of sampled tokens with
+    replay and without it (one extra no-grad pass), and the fraction of (position, MoE layer)
+    pairs whose own experts differ from the sampler's (1 − routing agreement). {} otherwise."""
+    positions = fwd_metrics.get("routing/positions:sum", 0.0)
+    if not positions:
+        return {}
+    out = {"train/routing_differ_frac": fwd_metrics.get("routing/differ:sum", 0.0) / positions}
+    tokens = fwd_metrics.get("routing/gap_tokens:sum", 0.0)
+    if tokens:
+        out["train/logprob_gap_replay_mean"] = fwd_metrics["routing/gap_replay:sum"] / tokens
+        out["train/logprob_gap_free_mean"] = fwd_metrics["routing/gap_free:sum"] / tokens
+    return out
+
+
 def read_metrics(path: Path) -> list[dict]:
     """All records of a metrics.jsonl, in file order.
 

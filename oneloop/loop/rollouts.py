@@ -27,6 +27,7 @@ from oneloop.agents.trials import GroupResult, TrialRunner
 from oneloop.errors import OneloopError
 from oneloop.loop.advantages import ScoredGroup, has_variance
 from oneloop.loop.data import TaskItem, TaskSource, sample_seed
+from oneloop.loop.metrics import gateway_counts
 from oneloop.loop.staleness import StalenessGate
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,7 @@ class RolloutPool:
         self.totals["finished"] += 1
         for trial in result.results:
             stats.outcomes[str(trial.outcome)] += 1
+            stats.counts.update(gateway_counts(trial.agent_stats))
             stats.llm_sec += trial.timings.llm_sec
             stats.env_sec += trial.timings.env_start_sec + trial.timings.verifier_sec
         if result.masked:
@@ -307,11 +309,15 @@ class RolloutPool:
             return
         self.failures_in_a_row = 0
         # A single masked trajectory (e.g. one agent timeout) leaves the group; the rest trains.
-        kept = [r for r in result.results if not r.masked and r.trajectory is not None]
+        kept = [r for r in result.results if not r.masked and r.trajectories]
         stats.counts["trajectories_masked"] += len(result.results) - len(kept)
         rewards = [float(r.reward or 0.0) for r in kept]
         stats.rewards.extend(rewards)
-        trajectories = tuple(Trajectory.from_json(r.trajectory) for r in kept)
+        # A multi-step trial is one trajectory per step (agents/trial_steps.py), each trained
+        # with the trial's reward. The trials of one task run the same steps, so repeating a
+        # reward per step leaves the group's mean and spread as they are per trial.
+        trajectories = tuple(Trajectory.from_json(t) for r in kept for t in r.trajectories)
+        step_rewards = tuple(float(r.reward or 0.0) for r in kept for _ in r.trajectories)
         if len(kept) < 2 or (self.filter_zero_variance and not has_variance(rewards)):
             stats.counts["groups_zero_variance"] += 1
             self.totals["zero_variance"] += 1
@@ -324,7 +330,7 @@ class RolloutPool:
         stats.sampled_tokens += sum(t.num_sampled_tokens for t in trajectories)
         self.gate.finish(accepted=True, version=version)
         self.ready.put_nowait(
-            ScoredGroup(item.sample_id, result.task, version, trajectories, tuple(rewards))
+            ScoredGroup(item.sample_id, result.task, version, trajectories, step_rewards)
         )
 
 

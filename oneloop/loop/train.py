@@ -27,6 +27,7 @@ from tinker import types
 
 from oneloop.agents.demo_tasks.demonstrations import DEMONSTRATIONS_FILE, write_demonstrations
 from oneloop.agents.demo_tasks.generator import Difficulty, TaskSplits, generate_tasks
+from oneloop.agents.gateway.trial import default_agent_import_path
 from oneloop.agents.providers import container_free_warning, preflight_environment
 from oneloop.agents.tasks_check import screen_tasks
 from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, runner_for
@@ -43,7 +44,12 @@ from oneloop.loop.advantages import (
 from oneloop.loop.checkpoints import LoopState, append_checkpoint, last_checkpoint
 from oneloop.loop.config import TrainConfig
 from oneloop.loop.data import TaskSource
-from oneloop.loop.metrics import BackendCounters, MetricsLogger, truncate_after
+from oneloop.loop.metrics import (
+    BackendCounters,
+    MetricsLogger,
+    routing_metrics,
+    truncate_after,
+)
 from oneloop.loop.plots import write_plots
 from oneloop.loop.rollouts import RolloutPool, report_wait
 from oneloop.loop.sft import (
@@ -283,6 +289,8 @@ def trial_runner_config(
     agent, rollout = cfg.agent, cfg.rollout
     return TrialRunnerConfig(
         trials_dir=cfg.run_dir / "trials",
+        agent_kind=agent.kind,
+        agent_import_path=default_agent_import_path(agent.kind, agent.import_path),
         agent_kwargs={
             "tokenizer_path": tokenizer_path,
             "sampler_key": "set-by-runner",
@@ -471,6 +479,7 @@ async def train_step(
     }
     metrics.update({f"train/{k.split(':')[0]}": v for k, v in (optim.metrics or {}).items()})
     metrics.update(logprob_gap(datums, masks, output))
+    metrics.update(routing_metrics(output.metrics))
     rewards = [r for g in groups for r in g.rewards]
     metrics["train/reward_mean"] = sum(rewards) / len(rewards)
     _write_gaps(run, step, groups, logprob_gap_per_datum(datums, masks, output))

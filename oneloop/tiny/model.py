@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oneloop.tiny.chat_template import TOOL_LIST_STYLES, chat_template
+from oneloop.tiny.moe import ARCHITECTURES, model_config
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -68,7 +69,13 @@ _SPLIT_PATTERN = (
 _NUMBER_REPEATS = 128
 _MAX_NUMBER_DIGITS = 3
 # Spec fields added after FORMAT_VERSION 1 and their defaults (left out of the cache key there).
-_KEY_DEFAULTS = {"number_digits": 1, "tool_list": "json"}
+_KEY_DEFAULTS = {
+    "number_digits": 1,
+    "tool_list": "json",
+    "architecture": "qwen3",
+    "num_experts": 8,
+    "experts_per_token": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -102,11 +109,21 @@ class TinyModelSpec:
     tool_list: str = "json"
     """How the chat template lists tools: "json" (Qwen3's schemas) or "compact" (a line per tool,
     see `oneloop.tiny.chat_template`). Not part of the cache key at "json"."""
+    architecture: str = "qwen3"
+    """Model family (`oneloop.tiny.moe.ARCHITECTURES`): "qwen3" (dense), "qwen3_moe",
+    "qwen3_5_moe" (Gated DeltaNet hybrid MoE, text only) or "qwen3_5" (hybrid dense); see
+    `oneloop.tiny.moe`. Not part of the cache key at "qwen3"."""
+    num_experts: int = 8
+    """Routed experts per MoE layer (MoE architectures only; count)."""
+    experts_per_token: int = 2
+    """Experts the router picks per token; at most `num_experts` (count)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            expected = {"tie_word_embeddings": bool, "tool_list": str}.get(f.name, int)
+            expected = {"tie_word_embeddings": bool, "tool_list": str, "architecture": str}.get(
+                f.name, int
+            )
             if type(value) is not expected:
                 raise TypeError(
                     f"TinyModelSpec.{f.name}: expected {expected.__name__}, got {value!r}"
@@ -126,6 +143,8 @@ class TinyModelSpec:
             "intermediate_size",
             "max_position_embeddings",
             "number_digits",
+            "num_experts",
+            "experts_per_token",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -144,6 +163,16 @@ class TinyModelSpec:
             raise ValueError(
                 f"TinyModelSpec.tool_list: expected one of {TOOL_LIST_STYLES}, "
                 f"got {self.tool_list!r}"
+            )
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"TinyModelSpec.architecture: expected one of {ARCHITECTURES}, "
+                f"got {self.architecture!r}"
+            )
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"TinyModelSpec.experts_per_token: at most num_experts={self.num_experts}, "
+                f"got {self.experts_per_token}"
             )
         if self.number_digits > _MAX_NUMBER_DIGITS:
             raise ValueError(
@@ -411,11 +440,21 @@ def _write_tokenizer(spec: TinyModelSpec, directory: Path) -> None:
 
 def _write_model(spec: TinyModelSpec, directory: Path) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     vocab = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
     token_id = {entry["content"]: entry["id"] for entry in vocab}
-    config = Qwen3Config(
+    token_ids = {
+        "bos_token_id": token_id[PAD_TOKEN],
+        "eos_token_id": token_id[IM_END],
+        "pad_token_id": token_id[PAD_TOKEN],
+    }
+    config = model_config(spec, token_ids) if spec.architecture != "qwen3" else Qwen3Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -438,7 +477,11 @@ def _write_model(spec: TinyModelSpec, directory: Path) -> None:
         torch.manual_seed(spec.seed)
         torch.set_default_dtype(torch.float32)
         try:
-            model = Qwen3ForCausalLM(config)
+            model = (
+                Qwen3ForCausalLM(config)
+                if spec.architecture == "qwen3"
+                else AutoModelForCausalLM.from_config(config)
+            )
         finally:
             torch.set_default_dtype(default_dtype)
     model.generation_config = GenerationConfig(
@@ -453,6 +496,9 @@ def _write_model(spec: TinyModelSpec, directory: Path) -> None:
 TINY_MODEL_128X4 = "oneloop/tiny-qwen3-128x4"
 TINY_MODEL_DEMO = "oneloop/tiny-qwen3-demo"
 TINY_MODEL_DEMO_GPU = "oneloop/tiny-qwen3-demo-gpu"
+TINY_QWEN3_MOE = "oneloop/tiny-qwen3-moe"
+TINY_QWEN3_5_MOE = "oneloop/tiny-qwen3.5-moe"
+TINY_QWEN3_5 = "oneloop/tiny-qwen3.5"
 
 
 def named_tiny_specs() -> dict[str, TinyModelSpec]:
@@ -483,4 +529,14 @@ def named_tiny_specs() -> dict[str, TinyModelSpec]:
             intermediate_size=3072,
             tool_list="compact",
         ),
+        # The seed's families at test size (`oneloop.tiny.moe`): 8 experts, top-2; the hybrids
+        # have 4 layers, 3 Gated DeltaNet : 1 gated full attention; the demo's compact tool list
+        # keeps loop tests' prompts short.
+        TINY_QWEN3_MOE: TinyModelSpec(
+            architecture="qwen3_moe", intermediate_size=64, tool_list="compact"
+        ),
+        TINY_QWEN3_5_MOE: TinyModelSpec(
+            architecture="qwen3_5_moe", num_layers=4, intermediate_size=64, tool_list="compact"
+        ),
+        TINY_QWEN3_5: TinyModelSpec(architecture="qwen3_5", num_layers=4, tool_list="compact"),
     }

@@ -165,7 +165,12 @@ def test_staleness_cap_matches_the_seed_figures_and_presets(capsys) -> None:
             samples_per_group=algo["group_size"],
         )
         assert (algo["max_staleness"], algo["groups_per_step"], algo["group_size"]) == (3, 16, 16)
-        assert 300 <= cfg["rollout"]["max_concurrency"] <= 550 <= r["staleness_cap"], preset.name
+        assert cfg["rollout"]["max_concurrency"] <= 550 <= r["staleness_cap"], preset.name
+        # The seed's concurrency floor holds where the preset has the seed's sampling fleet;
+        # qwen3-30b-a3b's one sampling node (4 engines of TP 2) holds 268 32k-token trajectories
+        # of KV cache, so `oneloop size` sized it at 256 (its header).
+        floor = 256 if preset.name == "qwen3-30b-a3b.yaml" else 300
+        assert cfg["rollout"]["max_concurrency"] >= floor, preset.name
 
 
 def test_weights_that_do_not_fit_give_zero_and_say_so(capsys) -> None:

@@ -78,10 +78,14 @@ def cp1(model, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def cp2(model, cp1):  # cp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    import ray
+
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
-    engine = MegatronGroupEngine(
+    if not ray.is_initialized():  # the group's ranks are Ray actors, one GPU each
+        ray.init(address="local", num_gpus=2, include_dashboard=False)
+    engine = MegatronRayGroup(
         model,
         LoraSpec(0),
         dtype="bfloat16",

@@ -109,10 +109,14 @@ def tp1(model, tmp_path_factory) -> tuple[dict, Path]:
 
 @pytest.fixture(scope="module")
 def tp2(model, tp1):  # tp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    import ray
+
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
-    engine = MegatronGroupEngine(
+    if not ray.is_initialized():  # the group's ranks are Ray actors, one GPU each
+        ray.init(address="local", num_gpus=2, include_dashboard=False)
+    engine = MegatronRayGroup(
         model, LORA, dtype="bfloat16", device="cuda", parallel=MegatronParallel(tp=2)
     )
     yield engine

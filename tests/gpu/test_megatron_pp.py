@@ -84,10 +84,14 @@ def pp1(model, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def pp2(model, pp1):  # pp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    import ray
+
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
-    engine = MegatronGroupEngine(
+    if not ray.is_initialized():  # the group's ranks are Ray actors, one GPU each
+        ray.init(address="local", num_gpus=2, include_dashboard=False)
+    engine = MegatronRayGroup(
         model,
         LoraSpec(0),
         dtype="bfloat16",
@@ -179,10 +183,10 @@ def test_save_and_load_state_restores_weights_and_optimizer(pp2, tmp_path) -> No
 
 
 def test_dead_worker_is_a_clear_error(pp2) -> None:  # last: it breaks the group
-    process, _ = pp2._workers[0]
-    process.kill()
-    process.join(30)
-    with pytest.raises(RuntimeError, match="group rank 1 exited"):
+    import ray
+
+    ray.kill(pp2._actors[1])  # rank 1's actor dies; the next call names it and its node
+    with pytest.raises(RuntimeError, match=r"rank 1 \(.*\) on node .* died"):
         pp2.forward_backward(batch(4, "cross_entropy"), "cross_entropy", None, forward_only=True)
     with pytest.raises(RuntimeError, match="broken"):
         pp2.optim_step(ADAM)

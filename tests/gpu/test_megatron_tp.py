@@ -72,10 +72,14 @@ def tp1(model, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(model, tp1):  # tp1 first: its process has left the GPU before the group starts
-    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    import ray
+
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
-    engine = MegatronGroupEngine(
+    if not ray.is_initialized():  # the group's ranks are Ray actors, one GPU each
+        ray.init(address="local", num_gpus=2, include_dashboard=False)
+    engine = MegatronRayGroup(
         model, LoraSpec(0), dtype="bfloat16", device="cuda", parallel=MegatronParallel(tp=2)
     )
     yield engine
@@ -145,9 +149,21 @@ def test_save_and_load_state_restores_weights_and_optimizer(tp2, tmp_path) -> No
     )
 
 
+def test_dead_worker_is_a_clear_error(tp2) -> None:  # last: it breaks the group
+    import ray
+
+    ray.kill(tp2._actors[1])  # rank 1's actor dies; the next call names it and its node
+    with pytest.raises(RuntimeError, match=r"rank 1 \(.*\) on node .* died"):
+        tp2.forward_backward(batch(4, "cross_entropy"), "cross_entropy", None, forward_only=True)
+    with pytest.raises(RuntimeError, match="broken"):
+        tp2.optim_step(ADAM)
+
+
+
 def test_ray_trainer_actor_hosts_the_tp_group(model, tp1) -> None:
-    """The trainer actor (2 GPUs) holds the group engine like any engine: rank 0 in the actor
-    process, rank 1 spawned from it on the actor's second GPU."""
+    """The trainer actor holds the group engine like any engine: it holds no GPU itself
+    (`factory.trainer_actor_gpus`) and starts both ranks as Ray actors, one GPU each. Runs after
+    the dead-rank test, whose broken group has freed its GPUs."""
     ray = pytest.importorskip("ray")
     from oneloop.backends.config import LocalBackendConfig
     from oneloop.backends.megatron_local.actors import TrainerActor
@@ -155,11 +171,14 @@ def test_ray_trainer_actor_hosts_the_tp_group(model, tp1) -> None:
     local = LocalBackendConfig(
         trainer_engine="megatron", dtype="bfloat16", gpus_per_trainer=2, megatron={"tp": 2}
     )
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_gpus=2, include_dashboard=False)
+    from oneloop.backends.megatron_local.engines.factory import trainer_actor_gpus
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_gpus=2, include_dashboard=False)
     try:
-        actor = TrainerActor.options(num_gpus=2).remote(local, str(model), LoraSpec(0))
+        gpus = trainer_actor_gpus(local)
+        assert gpus == 0.0
+        actor = TrainerActor.options(num_gpus=gpus).remote(local, str(model), LoraSpec(0))
         assert ray.get(actor.ready.remote(), timeout=600)
         data = batch(1, "cross_entropy")
         result = ray.get(
@@ -172,16 +191,6 @@ def test_ray_trainer_actor_hosts_the_tp_group(model, tp1) -> None:
         ray.kill(actor)
     finally:
         ray.shutdown()
-
-
-def test_dead_worker_is_a_clear_error(tp2) -> None:  # last: it breaks the group
-    process, _ = tp2._workers[0]
-    process.kill()
-    process.join(30)
-    with pytest.raises(RuntimeError, match="TP rank 1 exited"):
-        tp2.forward_backward(batch(4, "cross_entropy"), "cross_entropy", None, forward_only=True)
-    with pytest.raises(RuntimeError, match="broken"):
-        tp2.optim_step(ADAM)
 
 
 if __name__ == "__main__":

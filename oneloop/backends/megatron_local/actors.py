@@ -44,7 +44,10 @@ ADAPTER_DIR = "adapter"  # a sampler checkpoint's PEFT adapter (LoRA runs on the
 
 @ray.remote(num_cpus=0)
 class TrainerActor:
-    """Hosts one trainer engine (see `engines.base.TrainerEngine`)."""
+    """Hosts one trainer engine (see `engines.base.TrainerEngine`). A megatron trainer of more
+    than one rank is `engines.megatron.group.MegatronRayGroup`: this actor creates the rank actors
+    (one GPU each, one placement group) and drives them, holding no GPU itself (start it with
+    `num_gpus=factory.trainer_actor_gpus(local)`)."""
 
     def __init__(self, local: LocalBackendConfig, model_path: str, lora: LoraSpec) -> None:
         self.engine = make_trainer_engine(local, Path(model_path), lora)
@@ -113,6 +116,12 @@ class TrainerActor:
             raise CapabilityError(
                 f"weight sync into the sampler's CUDA parameters needs a trainer engine with CUDA "
                 f"weights (megatron); {type(self.engine).__name__} has none: use "
+                "local.weight_sync=object_store"
+            )
+        if getattr(self.engine, "hf_weights_on_host", False):  # megatron ranks in other actors
+            raise CapabilityError(
+                "weight sync into the sampler's CUDA parameters from a megatron trainer of more "
+                "than one rank (its ranks are Ray actors of their own, not this process): use "
                 "local.weight_sync=object_store"
             )
         hf = self.engine.hf_weights()

@@ -63,10 +63,17 @@ class WeightPublisher:
         local = self.local
         mode = local.weight_sync
         cuda_trainer = local.trainer_engine == "megatron" or local.device == "cuda"
+        sharded = local.sampler_engine == "vllm" and local.vllm.tp > 1
         if mode == "object_store" or (
-            mode == "auto" and not (local.sampler_engine == "vllm" and cuda_trainer)
+            mode == "auto" and (sharded or not (local.sampler_engine == "vllm" and cuda_trainer))
         ):
+            # A tensor-parallel vllm engine: every worker loads its shard through vLLM's loader
+            # (the CUDA paths write one worker's layout; config refuses them at tp > 1).
             return None, None
+        if sharded:
+            raise CapabilityError(f"local.weight_sync={mode} cannot reach every worker of a vllm "
+                                  f"engine of local.vllm.tp={local.vllm.tp}: use auto or "
+                                  "object_store")  # fmt: skip
         if local.sampler_engine != "vllm":
             raise CapabilityError(f"local.weight_sync={mode} needs local.sampler_engine=vllm")
         if sampler not in self._layouts:

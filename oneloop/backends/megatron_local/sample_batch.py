@@ -24,7 +24,7 @@ import numpy as np
 from tinker import types
 
 from oneloop.backends.megatron_local.engines.base import SampledArrays
-from oneloop.backends.sequence_ids import make_sequence_id
+from oneloop.backends.sequence_ids import attach_routed_experts, make_sequence_id
 
 _INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
 _tokens, _logprobs, _stop = attrgetter("tokens"), attrgetter("logprobs"), attrgetter("stop_reason")
@@ -143,8 +143,9 @@ class SampledSequences(Sequence[types.SampledSequence]):
 def build_sequences(
     sequences: Sequence[SampledArrays], namespace: str, version: int, first: int
 ) -> list[types.SampledSequence]:
-    """The SDK objects of an engine's sequences, ids `<namespace>/v<version>/<first + i>`."""
-    return [
+    """The SDK objects of an engine's sequences, ids `<namespace>/v<version>/<first + i>`; an MoE
+    sampler's routed experts ride along (`sequence_ids.attach_routed_experts`)."""
+    built = [
         types.SampledSequence(
             stop_reason=seq.stop_reason,  # type: ignore[arg-type]
             sequence_id=make_sequence_id(namespace, version, first + i),
@@ -153,6 +154,11 @@ def build_sequences(
         )
         for i, seq in enumerate(sequences)
     ]
+    for sdk, seq in zip(built, sequences, strict=True):
+        routing = getattr(seq, "routed_experts", None)
+        if routing is not None:
+            attach_routed_experts(sdk, routing)
+    return built
 
 
 def sample_response(

@@ -23,6 +23,7 @@ from oneloop.backends.megatron_local import models
 from oneloop.backends.megatron_local.actors import SamplerActor, TrainerActor
 from oneloop.backends.megatron_local.checkpoints import CheckpointMeta, TinkerPath
 from oneloop.backends.megatron_local.engines.base import LoraSpec
+from oneloop.backends.megatron_local.engines.factory import trainer_actor_gpus
 from oneloop.backends.megatron_local.futures import chain, completed, gather
 from oneloop.backends.megatron_local.lora_serving import (
     check_adapter_targets,
@@ -30,6 +31,7 @@ from oneloop.backends.megatron_local.lora_serving import (
     pool_lora_rank,
     serves_adapters,
 )
+from oneloop.backends.megatron_local.placement import placement_groups, sampler_actor_options
 from oneloop.backends.megatron_local.publish import WeightPublisher
 from oneloop.backends.megatron_local.routing import SamplerPool
 from oneloop.backends.megatron_local.sampling_client import (
@@ -76,6 +78,7 @@ class LocalServiceClient:
         self._pool_lora: dict[str, int] = {}  # LoRA rank each model's vllm samplers serve
         self._trainers: dict[str, Any] = {}
         """Live trainer actors by run id (`release_training_client` stops one)."""
+        self._placement_groups: list[Any] = []  # the sampler engines' (several nodes)
 
     # -- models ----------------------------------------------------------------------------------
 
@@ -95,9 +98,10 @@ class LocalServiceClient:
             # and before the pool is registered half-made.
             limits = models.sampling_limits(key)
             self._pool_lora[key] = capacity
+            placed = sampler_actor_options(local)  # on the plan's nodes (several nodes)
+            self._placement_groups += placement_groups(placed)
             actors = [
-                SamplerActor.options(num_gpus=local.gpus_per_sampler).remote(local, key, capacity)
-                for _ in range(local.samplers_per_model)
+                SamplerActor.options(**options).remote(local, key, capacity) for options in placed
             ]
             self._sampler_info[key] = limits
             self._samplers[key] = SamplerPool(actors)
@@ -150,7 +154,8 @@ class LocalServiceClient:
             check_adapter_targets(lora.train_mlp, lora.train_attn, lora.train_unembed)
         self._pool_capacity(str(model_dir), lora.rank)  # before any actor starts
         self.sampler_pool(model_dir, lora.rank)  # before the trainer: nothing leaks if it fails
-        actor = TrainerActor.options(num_gpus=local.gpus_per_trainer).remote(
+        # A megatron group of several ranks holds its GPUs in its rank actors' placement group.
+        actor = TrainerActor.options(num_gpus=trainer_actor_gpus(local)).remote(
             local, str(model_dir), lora
         )
         run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
@@ -291,6 +296,9 @@ class LocalServiceClient:
         as the SDK's `ServiceClient.close(status, detail)`; returns a finished future."""
         for actor in [*self._trainers.values(), *self._sampler_actors()]:
             ray.kill(actor)
+        for group in self._placement_groups:
+            ray.util.remove_placement_group(group)
+        self._placement_groups.clear()
         self._trainers.clear()
         self._samplers.clear()
         self._pool_lora.clear()

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from oneloop.backends.megatron_local.service_client import LocalServiceClient
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+ROUTED_EXPERTS = "routed_experts"
+"""The loss input that carries a datum's routing for rollout routing replay (R3): int
+[positions, MoE layers, top-k] (`Trajectory.to_datum` writes it; the loop keeps it only with
+`algo.routing_replay`); a backend that cannot replay refuses it."""
 
 
 def datum_to_arrays(datum: types.Datum, loss_fn: str, index: int) -> DatumArrays:
@@ -50,10 +54,17 @@ def datum_to_arrays(datum: types.Datum, loss_fn: str, index: int) -> DatumArrays
             f"data[{index}].model_input: only token chunks are supported ({error})"
         ) from error
     arrays = {key: value.to_numpy() for key, value in datum.loss_fn_inputs.items()}
+    # R3's local extension: the sampler's routed experts ride along as a loss input
+    routing = arrays.pop(ROUTED_EXPERTS, None)
+    if routing is not None and (routing.ndim != 3 or routing.shape[0] > len(tokens)):
+        raise RequestError(
+            f"data[{index}].loss_fn_inputs[{ROUTED_EXPERTS!r}]: expected int "
+            f"[positions <= {len(tokens)}, MoE layers, top-k], got shape {routing.shape}"
+        )
     losses.validate_datum_inputs(loss_fn, len(tokens), arrays, index=index)
     targets = arrays.pop("target_tokens").astype(np.int64)
     inputs = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
-    return DatumArrays(tokens=tokens, targets=targets, inputs=inputs)
+    return DatumArrays(tokens=tokens, targets=targets, inputs=inputs, routing=routing)
 
 
 def forward_output(result: ForwardResult) -> types.ForwardBackwardOutput:
@@ -95,6 +106,8 @@ class LocalTrainingClient:
         loss_fn_config: Mapping[str, float | str] | None,
         forward_only: bool,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        if any(ROUTED_EXPERTS in d.loss_fn_inputs for d in data):
+            self._service.capabilities.check(routing_replay=True)
         return self._submit_arrays(
             lambda: [datum_to_arrays(d, loss_fn, i) for i, d in enumerate(data)],
             len(data), loss_fn, loss_fn_config, forward_only,

@@ -10,10 +10,14 @@
 #   setup_project carry [".wpN"]     oneloop's own locked dependencies the image lacks (Harbor, MCP,
 #                                    LiteLLM, ...), one folder per call: PART=1, PART=2, ...
 #                                    (scripts/device/packers/prepare_project_parts.py builds them)
+#   loop_resume / loop_local / loop_serve   the loop on the GPU: kill -9 and --resume; LoRA RL
+#                                    in-process vs through `oneloop serve` (loop_gpu.py)
 #   demo_gpu                         after setup_project: `oneloop train --config demo-gpu` (SFT warm
 #                                    start, async RL, held-out success before vs after), bounded by
 #                                    DEMO_TIMEOUT_S (560); DEMO_ARGS adds dotted overrides
 #   megatron                         megatron-vs-torch parity test, save/load test, MFU bench
+#   moe_r3                           after setup_moe: vLLM routed experts (R3) replayed by the torch
+#                                    trainer on a 4-layer Qwen3-30B-A3B-width MoE: gap R3 on < off
 #   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
 #   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
 #                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL)
@@ -89,6 +93,12 @@ case "$stage" in
     cp /tmp/runs/demo-gpu/*.jsonl "$OUT/" 2>/dev/null
     grep -vE "^\s*$" "$OUT/demo_gpu.log" | grep -E "eval|held-out|Error|error|rate" | tail -30
     tail -25 "$OUT/demo_gpu.log" ;;
+  loop_resume|loop_local|loop_serve)   # after setup_project: scripts/device/runbook/loop_gpu.py
+    # resume: demo-gpu killed with SIGKILL after step 2, then --resume (and the warm start's
+    # weights written as an HF directory); local / serve: LoRA RL on that base, in-process vs
+    # through `oneloop serve` (serve prints both side by side). Run in this order on one machine.
+    python3 scripts/device/runbook/loop_gpu.py "${stage#loop_}" --out "$OUT" ${LOOP_ARGS:-} \
+      2>&1 | grep -E "^RESULT|Error|error" | tail -20 ;;
   megatron)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_train.py --model-dir /tmp/models 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
@@ -133,6 +143,11 @@ case "$stage" in
   cp)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_cp.py > "$OUT/cp.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/cp.log" | tail -20; tail -30 "$OUT/cp.log" ;;
+  moe_r3)   # after setup1-3 and setup_moe: vLLM routed experts replayed by the torch trainer
+    # engine on a 4-layer Qwen3-30B-A3B-width random MoE (built by the test); R3 on < R3 off
+    pytest_gpu tests/backends/engines/test_moe_gpu.py > "$OUT/moe_r3.log" 2>&1
+    grep -E "RESULT|^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" "$OUT/moe_r3.log" | tail -10
+    tail -30 "$OUT/moe_r3.log" ;;
   te1|te2|te3|te4)   # carry [".wteN"]: one part of TE's common wheel
     cp ".w$stage"/te.part* /tmp/w/ && ls -l /tmp/w | grep te.part ;;
   te5)

@@ -59,7 +59,10 @@ def test_the_config_flag_reaches_the_engine_parallel_settings():
     config = parse_backend_config(
         {"local": {"trainer_engine": "megatron", "megatron": {"optimizer_cpu_offload": True}}}
     )
-    parallel = MegatronParallel(**config.local.megatron.model_dump(exclude={"speed"}))
+    from oneloop.backends.megatron_local.engines.factory import megatron_parallel
+
+    parallel = megatron_parallel(config.local)
+    assert isinstance(parallel, MegatronParallel) and parallel.dp == 1
     assert parallel.optimizer_cpu_offload and parallel.use_distributed_optimizer
     world = parallel.tp * parallel.pp * parallel.cp
     fields = optimizer_config_fields(

@@ -16,6 +16,7 @@ from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
     global_parts,
     group_size,
     rank_coords,
+    resolve_dp,
     stage_layers,
     stage_parts,
 )
@@ -35,6 +36,41 @@ def test_rank_coords_follow_megatrons_order() -> None:
     with pytest.raises(ValueError, match="outside"):
         rank_coords(4, 2, 2, 1)
     assert group_size(2, 3, 2) == 12
+    # dp between cp and the stage: rank = tp + tp·(cp + cp·(dp + dp·pp))
+    assert [rank_coords(r, 2, 1, 1, dp=2) for r in range(4)] == [
+        RankCoords(0, 0, 0, 0), RankCoords(1, 0, 0, 0),
+        RankCoords(0, 0, 0, 1), RankCoords(1, 0, 0, 1),
+    ]  # fmt: skip
+    assert rank_coords(13, 2, 2, 2, dp=2) == RankCoords(tp_rank=1, cp_rank=0, pp_rank=1, dp_rank=1)
+    assert group_size(2, 2, 2, 2) == 16
+
+
+def test_dp_is_given_or_derived_from_the_trainer_gpus() -> None:
+    assert resolve_dp(None, 8, 2, 1, 1) == 4
+    assert resolve_dp(None, 0, 2, 1, 1) == 1  # CPU: no GPUs given
+    assert resolve_dp(3, 8, 2, 1, 1) == 3
+    with pytest.raises(ValueError, match="local.megatron.dp"):
+        resolve_dp(None, 6, 4, 1, 1)
+    check_gpus_per_trainer(4, 2, 1, 1, dp=2)
+    with pytest.raises(ValueError, match=r"dp=2 .* local.gpus_per_trainer=4"):
+        check_gpus_per_trainer(2, 2, 1, 1, dp=2)
+
+
+def test_rank_bundles_pack_one_node_when_the_group_fits() -> None:
+    from oneloop.backends.megatron_local.engines.megatron.group import rank_bundles
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+
+    parallel = MegatronParallel(tp=2, dp=2)
+    bundles, strategy = rank_bundles(parallel, nodes=[{"GPU": 8.0, "CPU": 64.0}])
+    assert bundles == [{"GPU": 1.0, "CPU": 1.0}] * 4 and strategy == "STRICT_PACK"
+    _, strategy = rank_bundles(parallel, nodes=[{"GPU": 2.0, "CPU": 64.0}] * 2)
+    assert strategy == "PACK"  # DP replicas span nodes; each TP block stays on one
+    _, strategy = rank_bundles(parallel)  # cluster unknown
+    assert strategy == "PACK"
+    bundles, strategy = rank_bundles(parallel, gpus_per_rank=0, strategy="SPREAD")
+    assert bundles == [{"CPU": 1.0}] * 4 and strategy == "SPREAD"
+    with pytest.raises(ValueError, match="local.megatron.placement_strategy"):
+        rank_bundles(parallel, strategy="TIGHT")
 
 
 def test_stage_layers_split_evenly_and_refuse_remainders() -> None:
@@ -122,7 +158,7 @@ def test_group_refuses_lora_and_uneven_stages_before_starting_ranks(tmp_path) ->
 
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.megatron.group import (
-        MegatronGroupEngine,
+        MegatronRayGroup,
         rank_engine_class,
     )
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
@@ -133,12 +169,9 @@ def test_group_refuses_lora_and_uneven_stages_before_starting_ranks(tmp_path) ->
         num_attention_heads=8, num_key_value_heads=4, head_dim=8,
     ).save_pretrained(tmp_path)  # fmt: skip
     with pytest.raises(CapabilityError, match="pp=2"):
-        MegatronGroupEngine(tmp_path, LoraSpec(4), parallel=MegatronParallel(pp=2))
+        MegatronRayGroup(tmp_path, LoraSpec(4), parallel=MegatronParallel(pp=2))
     with pytest.raises(ValueError, match="num_hidden_layers=4"):
-        MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(pp=3), device="cpu")
-    if torch.cuda.device_count() < 4:
-        with pytest.raises(CapabilityError, match="gpus_per_trainer=4"):
-            MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=2, pp=2))
+        MegatronRayGroup(tmp_path, LoraSpec(0), parallel=MegatronParallel(pp=3), device="cpu")
     assert rank_engine_class(MegatronParallel(tp=2, pp=2)).__name__ == "MegatronPpRank"
     assert rank_engine_class(MegatronParallel(tp=2)).__name__ == "MegatronTpRank"
 

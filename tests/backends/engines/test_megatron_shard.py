@@ -125,10 +125,11 @@ def test_parallel_sizes_not_built_are_refused_with_the_reason() -> None:
 
     cpu = torch.device("cpu")
     for sizes, reason in (
-        ({"pp": 2}, "megatron_group"),  # PP ranks too
-        ({"cp": 2}, "megatron_group"),  # CP ranks too (megatron.parallel.cp_rank)
+        ({"pp": 2}, "MegatronRayGroup"),  # PP ranks too
+        ({"cp": 2}, "MegatronRayGroup"),  # CP ranks too (megatron.parallel.cp_rank)
         ({"ep": 2}, "MoE"),
-        ({"tp": 2}, "megatron_group"),  # TP ranks exist only when the group engine starts them
+        ({"tp": 2}, "MegatronRayGroup"),  # TP ranks exist only when the group starts them
+        ({"dp": 2}, "MegatronRayGroup"),  # DP replicas too
     ):
         with pytest.raises(CapabilityError, match=reason):
             init_distributed(MegatronParallel(**sizes), cpu)
@@ -136,7 +137,7 @@ def test_parallel_sizes_not_built_are_refused_with_the_reason() -> None:
 
 def test_group_engine_refuses_before_starting_ranks(tmp_path) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
-    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
     from oneloop.errors import CapabilityError
 
@@ -145,9 +146,7 @@ def test_group_engine_refuses_before_starting_ranks(tmp_path) -> None:
         num_attention_heads=8, num_key_value_heads=4, head_dim=8,
     ).save_pretrained(tmp_path)  # fmt: skip
     with pytest.raises(CapabilityError, match="LoRA"):  # LoRA is tensor-parallel only
-        MegatronGroupEngine(tmp_path, LoraSpec(4), parallel=MegatronParallel(tp=2, pp=2))
+        MegatronRayGroup(tmp_path, LoraSpec(4), parallel=MegatronParallel(tp=2, pp=2))
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=8), device="cpu")
-    if torch.cuda.device_count() < 2:
-        with pytest.raises(CapabilityError, match="gpus_per_trainer=2"):
-            MegatronGroupEngine(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=2))
+        MegatronRayGroup(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=8), device="cpu")
+

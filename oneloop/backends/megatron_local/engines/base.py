@@ -3,8 +3,8 @@
 Implementations:
 - trainer: `engines.torch.trainer.TorchTrainerEngine` (transformers, CPU/GPU);
   `engines.megatron.trainer.MegatronTrainerEngine` (megatron-core, one rank; its parallel ranks in
-  `engines.megatron.parallel`) and `engines.megatron.group.MegatronGroupEngine` (drives tp × pp ×
-  cp ranks).
+  `engines.megatron.parallel`) and `engines.megatron.group.MegatronRayGroup` (drives dp × tp × pp ×
+  cp ranks, each a Ray actor).
 - sampler: `engines.torch.sampler.TorchSamplerEngine` (transformers generation);
   `engines.vllm.sampler.VllmSamplerEngine` (vLLM `AsyncLLM`).
 
@@ -43,6 +43,9 @@ class DatumArrays:
     tokens: np.ndarray  # int64 [T]
     targets: np.ndarray  # int64 [T]
     inputs: dict[str, np.ndarray]  # float32 [T] each (weights, logprobs, advantages, ...)
+    routing: np.ndarray | None = None
+    """Rollout routing replay (R3): int [positions <= T, MoE layers, top-k], the experts the
+    sampler routed each input position to (`SampledArrays.routed_experts`); None routes freely."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ class SampledArrays:
     tokens: np.ndarray  # int32 [N]
     logprobs: np.ndarray  # float32 [N]
     stop_reason: str  # "stop" | "length"
+    routed_experts: np.ndarray | None = None
+    """MoE samplers: int16 [prompt + tokens - 1, MoE layers, top-k], the experts each fed
+    position was routed to (R3's record; vLLM's `routed_experts` layout); None otherwise."""
 
 
 @dataclass(frozen=True)

@@ -33,28 +33,64 @@ def make_trainer_engine(
         return TorchTrainerEngine(model_path, lora, device=local.device, **common)
     from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
         check_gpus_per_trainer,
+        group_size,
+        resolve_dp,
     )
 
     m = local.megatron
-    check_gpus_per_trainer(local.gpus_per_trainer, m.tp, m.pp, m.cp)
+    dp = resolve_dp(m.dp, local.gpus_per_trainer, m.tp, m.pp, m.cp)
+    check_gpus_per_trainer(local.gpus_per_trainer, m.tp, m.pp, m.cp, dp=dp)
     try:
         import megatron.core  # noqa: F401
 
         from oneloop.backends.megatron_local.engines.megatron.trainer import (
-            MegatronParallel,
             MegatronTrainerEngine,
         )
     except ImportError as error:
         raise missing_gpu_extra("trainer_engine", local.trainer_engine, error) from error
     from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
 
-    parallel = MegatronParallel(**local.megatron.model_dump(exclude={"speed"}))
-    common["speed"] = MegatronSpeed(**local.megatron.speed.model_dump())
-    if parallel.tp * parallel.pp * parallel.cp > 1:  # rank 0 here, 1.. in worker processes
-        from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    parallel = megatron_parallel(local)
+    common["speed"] = MegatronSpeed(**m.speed.model_dump())
+    if group_size(m.tp, m.pp, m.cp, dp) > 1:  # one Ray actor per rank, in a placement group
+        from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
 
-        return MegatronGroupEngine(model_path, lora, device="cuda", parallel=parallel, **common)
+        return MegatronRayGroup(
+            model_path,
+            lora,
+            device="cuda",
+            parallel=parallel,
+            placement_strategy=m.placement_strategy,
+            **common,
+        )
     return MegatronTrainerEngine(model_path, lora, device="cuda", parallel=parallel, **common)
+
+
+def megatron_parallel(local: LocalBackendConfig):
+    """The megatron engine's `MegatronParallel` from `local.megatron` (dp resolved:
+    `parallel.pp_plan.resolve_dp`)."""
+    from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import resolve_dp
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+
+    m = local.megatron
+    dp = resolve_dp(m.dp, local.gpus_per_trainer, m.tp, m.pp, m.cp)
+    return MegatronParallel(**m.model_dump(exclude={"speed", "placement_strategy", "dp"}), dp=dp)
+
+
+def trainer_actor_gpus(local: LocalBackendConfig) -> float:
+    """GPUs the trainer actor itself reserves: `local.gpus_per_trainer`, except for a megatron
+    group of more than one rank, whose rank actors hold the GPUs (one each, in their placement
+    group) while the trainer actor that drives them holds none."""
+    if local.trainer_engine != "megatron":
+        return local.gpus_per_trainer
+    from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
+        group_size,
+        resolve_dp,
+    )
+
+    m = local.megatron
+    dp = resolve_dp(m.dp, local.gpus_per_trainer, m.tp, m.pp, m.cp)
+    return 0.0 if group_size(m.tp, m.pp, m.cp, dp) > 1 else local.gpus_per_trainer
 
 
 def make_sampler_engine(

@@ -12,7 +12,7 @@ gradients, the grad norm and the weights after the step into DIR, which test_meg
 compares, for both fused_rope settings (our RoPE at global positions, and Megatron's CP-sliced
 RoPE).
 
-CPU shims, here only (the spawned ranks import this file as their main module, so they get them):
+CPU shims, here only (the rank actors import this file as a module, so they get them):
 - `cpu_megatron.cuda_calls_on_cpu`: `torch.cuda.current_device` → "cpu" (Megatron's RoPE moves its
   frequencies there), and `torch.cuda.current_stream` → a no-op stream (DDP's grad sync fetches it
   to wait on CUDA-graph events);
@@ -59,7 +59,7 @@ def _patch_rope() -> None:
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
 
 
-_patch_rope()  # at import: the spawned ranks run this module's top level, not _run
+_patch_rope()  # at import: the rank actors run this module's top level, not _run
 
 
 class _CpuAdam:

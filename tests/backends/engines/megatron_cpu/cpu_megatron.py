@@ -7,8 +7,9 @@ Each check is a pair: `<name>_gloo_phases.py`, the script a phase runs in its ow
 calls; it installs the shims), and `test_megatron_<name>_gloo.py`, the pytest test that runs the
 phases and asserts the figures and tolerances on what they wrote.
 
-The shims must reach every rank: `megatron.group` spawns ranks 1..N-1, which import the phase
-script as their main module, so a phase script calls `cuda_calls_on_cpu` at its top level. oneloop
+The shims must reach every rank: `megatron.group` runs each rank in a Ray actor, which imports the
+phase script as a module before building its engine (`phase_setup`), so a phase script installs
+its shims and patches at its top level. oneloop
 is imported inside the functions here, so a script can install the shims before anything imports
 megatron-core. Importing this module installs nothing: the pytest process imports it for the
 comparison helpers and `run_phases`, and never calls `cuda_calls_on_cpu`.
@@ -155,9 +156,41 @@ def ones(_rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     return {"weights": np.ones(n, np.float32)}
 
 
+def import_phase(name: str) -> None:
+    """Run in every rank actor before its engine is built: import phase script `name` (a module
+    of this folder) so its top level installs the same shims and patches as the phase process."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    importlib.import_module(name)
+
+
+def start_ray(cpus: int) -> None:
+    """A local Ray runtime for a phase's group (once per process): `cpus` logical CPUs, and this
+    folder on every worker's path (the rank actors import the phase script, `import_phase`)."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        address="local",  # a new runtime here, never another process's cluster
+        num_cpus=cpus,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}},
+    )
+
+
+def phase_setup() -> Callable[[], None]:
+    """`MegatronRayGroup(setup=...)` for the running phase script (this process's __main__)."""
+    return functools.partial(import_phase, Path(sys.modules["__main__"].__file__).stem)
+
+
 def make_engine(model: Path, spec, *, group: bool, **kwargs) -> tuple[Any, Callable[..., Any]]:
-    """The one-process engine, or (`group`) `megatron.group` with ranks on gloo; and `call`, which
-    runs an engine method by name on every rank (`call("_dump_grads", path)`)."""
+    """The one-process engine, or (`group`) `megatron.group`'s Ray actors with ranks on gloo (a
+    local Ray runtime started here); and `call`, which runs an engine method by name on every
+    rank (`call("_dump_grads", path)`)."""
     if not group:
         from oneloop.backends.megatron_local.engines.megatron.trainer import (
             MegatronTrainerEngine,
@@ -169,10 +202,15 @@ def make_engine(model: Path, spec, *, group: bool, **kwargs) -> tuple[Any, Calla
             return getattr(engine, method)(*args)
 
         return engine, call
-    from oneloop.backends.megatron_local.engines.megatron.group import MegatronGroupEngine
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
 
-    engine = MegatronGroupEngine(model, spec, timeout_s=GROUP_TIMEOUT_S, **kwargs)
-    return engine, engine._call
+    parallel = kwargs["parallel"]
+    start_ray(parallel.tp * parallel.pp * parallel.cp * parallel.dp)
+    kwargs.setdefault("threads", 1)
+    engine = MegatronRayGroup(
+        model, spec, timeout_s=GROUP_TIMEOUT_S, setup=phase_setup(), gpus_per_rank=0, **kwargs
+    )
+    return engine, engine.call
 
 
 def all_gather_parts(grad: torch.Tensor, size: int, group) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ CPU shims, here only (never in product code): Megatron's DDP and optimizer alloc
 on "cuda", wait on CUDA streams and check `param.type()` against `torch.cuda.*Tensor`; RoPE moves
 its frequencies to `torch.cuda.current_device()`. `cpu_megatron.cuda_calls_on_cpu` with
 `allocations`, called below before oneloop is imported, maps those to the CPU for every rank
-(spawned ranks import this file as their main module, so the patches reach them too).
+(the rank actors import this file as a module, so the patches reach them too).
 """
 
 import argparse

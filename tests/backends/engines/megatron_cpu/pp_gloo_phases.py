@@ -18,7 +18,7 @@ optimizer state (sizes differ). Each phase writes its figures into DIR; test_meg
 compares every group's with the one-process engine's.
 
 Megatron-core assumes CUDA in places a CPU run meets; `cpu_megatron.cuda_calls_on_cpu` with
-`allocations` (this script only, every rank: the spawned ranks import this file as their main
+`allocations` (this script only, every rank: the rank actors import this file as a
 module) makes them CPU no-ops: RoPE and the p2p shape buffers use `torch.cuda.current_device()`,
 the DDP grad sync asks for the current CUDA stream, GPTModel moves the tied output-layer copy with
 `.cuda()`, the schedule, optimizer and grad-norm code allocate with `device="cuda"`, and the

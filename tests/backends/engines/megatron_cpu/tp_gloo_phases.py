@@ -10,8 +10,8 @@ save/load round trip, an error all ranks raise alike (group stays usable) and a 
 clear error). test_megatron_tp_gloo.py compares the phases.
 
 Megatron-core assumes CUDA where a CPU run meets it: `cpu_megatron.cuda_calls_on_cpu` (RoPE moves
-its frequencies to `torch.cuda.current_device()`) for every rank (the spawned ranks import this
-file as their main module, so the patches below reach them too); the DDP/optimizer allocate on
+its frequencies to `torch.cuda.current_device()`) for every rank (the rank actors import this
+file as a module, so the patches below reach them too); the DDP/optimizer allocate on
 CUDA — so this check leaves the optimizer out; optim_step is checked by
 tests/gpu/test_megatron_tp.py.
 """
@@ -83,13 +83,15 @@ def _run(tp: int, work: Path) -> None:
         except LossInputError:  # every rank fails alike: rank 0's error as is, group usable
             pass
         assert engine.forward_backward(data, "cross_entropy", None, True).loss == result.loss
-        engine._workers[0][0].kill()
-        engine._workers[0][0].join(30)
+        import ray
+
+        ray.kill(engine._actors[1])  # the rank's actor dies; the next call names it
         try:
             engine.forward_backward(data, "cross_entropy", None, forward_only=True)
             raise AssertionError("a dead rank went unnoticed")
         except RuntimeError as error:
-            assert "TP rank 1 exited" in str(error), error
+            assert "rank 1 (dp 0, pp 0, cp 0, tp 1) on node" in str(error), error
+            assert "died" in str(error), error
         engine.close()
 
 

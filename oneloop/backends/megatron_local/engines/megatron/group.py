@@ -1,33 +1,37 @@
-"""Multi-GPU `megatron` trainer: one engine object driving tp · pp · cp ranks, one per GPU.
+"""Multi-rank `megatron` trainer: dp · pp · cp · tp ranks as Ray actors, driven as one engine.
 
-The trainer actor keeps the single-process engine contract: it holds this object, which is global
-rank 0 (on GPU 0 of the actor's GPUs) and starts ranks 1..N-1 as spawned worker processes on the
-actor's other GPUs (Ray's CUDA_VISIBLE_DEVICES is inherited, so the actor must hold N = tp · pp ·
-cp GPUs: `local.gpus_per_trainer = N`). All ranks join one torch.distributed world (NCCL on GPU,
-gloo on CPU) and Megatron's parallel state with those sizes, placed in Megatron's rank order
-(`parallel.pp_plan.rank_coords`). Every rank is told the full `MegatronParallel` and its global
-rank; `rank_engine_class` picks the class each rank runs (`parallel.tp.MegatronTpRank` for TP
-only, `parallel.lora_tp.MegatronLoraTpRank` for LoRA at TP, `parallel.pp.MegatronPpRank` for
-pipeline stages).
+A trainer of more than one rank is a group of Ray actors (`MegatronRankActor`), one per rank, one
+GPU each on GPU, created in one Ray placement group (`rank_bundles`: TP/CP blocks packed on one
+node, DP and PP allowed to span nodes). Rank 0's node address and a free port on it form the
+torch.distributed world (NCCL on GPU, gloo on CPU); every rank joins Megatron's parallel state with
+those sizes, placed in Megatron's rank order (`parallel.pp_plan.rank_coords`); `rank_engine_class`
+picks the class each rank runs (`parallel.tp.MegatronTpRank` for TP and DP, `parallel.lora_tp.
+MegatronLoraTpRank` for LoRA at TP, `parallel.pp.MegatronPpRank` for pipeline stages,
+`parallel.cp_rank.MegatronCpRank` for context parallelism).
 
-Each call is sent first to every worker (method name + picklable numpy args over a pipe), then run
-on rank 0; the workers run the same call (Megatron's collectives pair them up) and answer ok or
-their traceback; rank 0 returns its own result. Bounded waits: joining the world and every
-collective time out after `timeout_s` (the process group's timeout), a worker's answer is awaited
-at most `timeout_s` while its process is watched. A failure every rank raises alike (a bad loss
-config) is re-raised as is and the group stays usable; a dead, silent or lone failing rank is an
-error naming the rank and its exit code or traceback, after which the group refuses further calls.
+`MegatronRayGroup` keeps the single-engine contract of `engines.base.TrainerEngine` for the trainer
+actor that holds it (the actor itself holds no GPU: the ranks do): every call goes to every rank
+at once and rank 0's result comes back (tensors on the host). Every wait is bounded by
+`timeout_s` (also the process group's collective timeout). A failure every rank raises alike (a
+bad loss config) is re-raised as is and the group stays usable; a dead rank, a silent one or one
+that fails alone is an error naming the rank, its coordinates, node and pid and the exit reason;
+the group then stops its actors and refuses further calls until it is rebuilt (a new trainer from
+the last checkpoint: the run's `--resume`).
+
+Weights come back to the host: `sampler_weights` as numpy (the object-store path), `hf_weights` as
+host tensors (`hf_weights_on_host`), so CUDA IPC / NCCL weight sync from the trainer actor is
+refused with the reason (`actors.TrainerActor.export_sampler_weights`).
 """
 
-import multiprocessing as mp
 import time
-import traceback
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from oneloop.backends.megatron_local.engines.base import (
@@ -38,14 +42,56 @@ from oneloop.backends.megatron_local.engines.base import (
     TrainerEngine,
 )
 from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape
-from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import check_pp, group_size
+from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
+    check_pp,
+    group_size,
+    rank_coords,
+)
 from oneloop.backends.megatron_local.engines.megatron.parallel.shard import check_tp
 from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 from oneloop.backends.megatron_local.ports import free_port
 from oneloop.errors import CapabilityError
 
 DEFAULT_TIMEOUT_S = 600.0
-_POLL_S = 0.5
+ERROR_GRACE_S = 30.0  # after one rank's error, how long the others get to fail alike
+STRATEGIES = ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+def rank_bundles(
+    parallel: MegatronParallel,
+    *,
+    gpus_per_rank: float = 1.0,
+    cpus_per_rank: float = 1.0,
+    nodes: list[dict[str, float]] | None = None,
+    strategy: str = "auto",
+) -> tuple[list[dict[str, float]], str]:
+    """The placement-group bundles (one per rank, in global-rank order) and the Ray strategy of a
+    megatron trainer with `parallel`'s sizes (dp · pp · cp · tp ranks; ep divides dp · cp).
+
+    Each bundle is `{"GPU": gpus_per_rank, "CPU": cpus_per_rank}` (a zero entry left out; a CPU
+    run has `gpus_per_rank=0`). `strategy` "auto": STRICT_PACK when the whole group fits one of
+    `nodes` (each node's resource totals, e.g. `ray.nodes()[i]["Resources"]`), else PACK — Ray
+    fills nodes in bundle order, and Megatron's order puts each TP/EP/CP block on consecutive
+    ranks, so blocks stay on one node while DP replicas and PP stages span nodes (the group
+    checks that after placement); `nodes=None` (unknown cluster) gives PACK. Any other value of
+    `STRATEGIES` is used as given (`local.megatron.placement_strategy`). Pure: no Ray call.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"local.megatron.placement_strategy={strategy!r}: expected one of "
+            f"{', '.join(STRATEGIES)}"
+        )
+    # EP adds no ranks: Megatron carves the expert-parallel groups out of dp · cp.
+    world = group_size(parallel.tp, parallel.pp, parallel.cp, parallel.dp)
+    one = {k: float(v) for k, v in (("GPU", gpus_per_rank), ("CPU", cpus_per_rank)) if v > 0}
+    bundles = [dict(one) for _ in range(world)]
+    if strategy != "auto":
+        return bundles, strategy
+    need = {k: v * world for k, v in one.items()}
+    fits = nodes is not None and any(
+        all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes
+    )
+    return bundles, "STRICT_PACK" if fits else "PACK"
 
 
 def rank_engine_class(parallel: MegatronParallel, lora_rank: int = 0) -> type:
@@ -58,7 +104,7 @@ def rank_engine_class(parallel: MegatronParallel, lora_rank: int = 0) -> type:
         from oneloop.backends.megatron_local.engines.megatron.parallel.pp import MegatronPpRank
 
         return MegatronPpRank
-    if lora_rank > 0:  # TP only: LoRA with pp or cp > 1 is refused by MegatronGroupEngine
+    if lora_rank > 0:  # TP only: LoRA with pp or cp > 1 is refused by MegatronRayGroup
         from oneloop.backends.megatron_local.engines.megatron.parallel.lora_tp import (
             MegatronLoraTpRank,
         )
@@ -69,66 +115,82 @@ def rank_engine_class(parallel: MegatronParallel, lora_rank: int = 0) -> type:
     return MegatronTpRank
 
 
-def _join_world(rank: int, world: int, address: str, device: str, timeout_s: float) -> str:
-    """Join the group's world (size `world`) as `rank`; returns this rank's device string."""
-    if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    torch.distributed.init_process_group(
-        backend,
-        init_method=address,
-        world_size=world,
-        rank=rank,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+def _on_host(value: Any) -> Any:
+    """Tensors of a result moved to the host (a CUDA tensor cannot leave the rank's process)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    return value
 
 
-def _worker_main(rank: int, world: int, address: str, build: dict, timeout_s: float, conn) -> None:
-    """Rank `rank` (>= 1): build the engine, then run rank 0's calls until told to close."""
-    try:
-        device = _join_world(rank, world, address, build["device"], timeout_s)
+@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
+class MegatronRankActor:
+    """One rank of a `MegatronRayGroup` (see the module docstring)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.engine: Any = None
+
+    def where(self) -> tuple[str, str, int]:
+        """(node id, node IP, pid) of this rank."""
+        import os
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def world_address(self) -> str:
+        """tcp://<this node's IP>:<a free port> (rank 0 hosts the world)."""
+        host = ray.util.get_node_ip_address()
+        return f"tcp://{host}:{free_port(host)}"
+
+    def build(
+        self, world: int, address: str, build: dict, timeout_s: float, setup: Callable | None
+    ) -> bool:
+        """Join the world as this rank and build its engine (every rank at once)."""
+        if setup is not None:
+            setup()
+        device = build["device"]
+        if device.startswith("cuda"):
+            torch.cuda.set_device(0)  # Ray shows this actor its one GPU
+        torch.distributed.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo",
+            init_method=address,
+            world_size=world,
+            rank=self.rank,
+            timeout=timedelta(seconds=timeout_s),
+        )
         engine_class = rank_engine_class(build["parallel"], build["lora"].rank)
-        engine = engine_class(**{**build, "device": device}, rank=rank)
-    except BaseException:  # noqa: BLE001 — reported to rank 0, which raises it
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # rank 0's process is gone
-            break
-        if message[0] == "close":
-            break
-        method, args = message
-        try:
-            getattr(engine, method)(*args)
-            conn.send(("ok", None))
-        except Exception:  # noqa: BLE001 — reported to rank 0, which raises it
-            conn.send(("error", traceback.format_exc()))
-    torch.distributed.destroy_process_group()
+        self.engine = engine_class(**build, rank=self.rank)
+        return True
+
+    def call(self, method: str, args: tuple) -> Any:
+        """Run `method` on this rank's engine; rank 0 returns the result, the others None."""
+        result = getattr(self.engine, method)(*args)
+        return _on_host(result) if self.rank == 0 else None
+
+    def attribute(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
 
-def _stop_workers(workers: list[tuple[Any, Any]], timeout_s: float) -> None:
-    for _process, conn in workers:
+def _stop(actors: list, placement_group: Any) -> None:
+    for actor in actors:
         try:
-            conn.send(("close", None))
-        except (OSError, ValueError):
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 — already gone, or Ray shut down
             pass
-    deadline = time.monotonic() + timeout_s
-    for process, conn in workers:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.terminate()
-            process.join(5.0)
-        conn.close()
+    if placement_group is not None:
+        try:
+            ray.util.remove_placement_group(placement_group)
+        except Exception:  # noqa: BLE001 — Ray shut down
+            pass
 
 
-class MegatronGroupEngine(TrainerEngine):
-    """See the module docstring. Same contract as `MegatronTrainerEngine` (LoRA at TP only)."""
+class MegatronRayGroup(TrainerEngine):
+    """See the module docstring. Same contract as `MegatronTrainerEngine` (LoRA at TP only).
 
-    label = "TP"  # names ranks in errors: "TP" for a TP-only group, "model-parallel" otherwise
+    `gpus_per_rank` / `cpus_per_rank` / `placement_strategy`: the placement group (`rank_bundles`);
+    `setup`: a picklable callable each rank actor runs before anything else (None in the product;
+    the CPU checks install their CUDA-on-CPU shims with it)."""
 
     def __init__(
         self,
@@ -138,118 +200,186 @@ class MegatronGroupEngine(TrainerEngine):
         parallel: MegatronParallel,
         device: str = "cuda",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        gpus_per_rank: float | None = None,
+        cpus_per_rank: float = 1.0,
+        placement_strategy: str = "auto",
+        setup: Callable | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from transformers import AutoConfig
+
         if lora.rank > 0 and (parallel.pp > 1 or parallel.cp > 1):
             raise CapabilityError(
                 f"LoRA rank {lora.rank} with local.megatron pp={parallel.pp} cp={parallel.cp}: the "
                 "megatron engine's LoRA adapters are tensor-parallel only; use pp=1, cp=1 for LoRA"
             )
-        tp, world = parallel.tp, group_size(parallel.tp, parallel.pp, parallel.cp)
-        from transformers import AutoConfig
-
-        shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
-        check_tp(shape, tp)
-        check_pp(shape.layers, parallel.pp)
-        sizes = f"local.megatron tp={tp} × pp={parallel.pp} × cp={parallel.cp}"
-        if device.startswith("cuda") and torch.cuda.device_count() < world:
+        if parallel.dp > 1 and parallel.pp > 1:
             raise CapabilityError(
-                f"{sizes} needs {world} GPUs in the trainer actor (set "
-                f"local.gpus_per_trainer={world}); it sees {torch.cuda.device_count()}"
+                f"local.megatron.dp={parallel.dp} with pp={parallel.pp}: data parallelism runs "
+                "with tp and cp here (the pipeline schedule's export and results assume one "
+                "replica); use pp=1 with dp > 1"
             )
-        self.tp, self.world, self.timeout_s = tp, world, timeout_s
-        if world != tp:
-            self.label = "model-parallel"
+        shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        check_tp(shape, parallel.tp)
+        check_pp(shape.layers, parallel.pp)
+        world = group_size(parallel.tp, parallel.pp, parallel.cp, parallel.dp)
+        self.parallel, self.world, self.timeout_s = parallel, world, timeout_s
+        self.sizes = (
+            f"local.megatron dp={parallel.dp} × pp={parallel.pp} × cp={parallel.cp} × "
+            f"tp={parallel.tp}"
+        )
         self._broken: str | None = None
-        address = f"tcp://127.0.0.1:{free_port()}"
-        build = dict(model_path=model_path, lora=lora, parallel=parallel, device=device)
-        build.update(engine_kwargs)
-        context = mp.get_context("spawn")
-        self._workers: list[tuple[Any, Any]] = []
-        for rank in range(1, world):
-            parent, child = context.Pipe()
-            process = context.Process(
-                target=_worker_main,
-                args=(rank, world, address, build, timeout_s, child),
-                name=f"megatron-rank{rank}",
-                daemon=True,
+        gpus = float(device.startswith("cuda")) if gpus_per_rank is None else gpus_per_rank
+        if not ray.is_initialized():
+            raise RuntimeError(
+                f"megatron group ({self.sizes}): its ranks are Ray actors; ray.init first"
             )
-            process.start()
-            child.close()
-            self._workers.append((process, parent))
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, 30.0)
-        try:
-            local = _join_world(0, world, address, device, timeout_s)
-            engine_class = rank_engine_class(parallel, lora.rank)
-            self.local = engine_class(**{**build, "device": local}, rank=0)
-        except BaseException as error:
-            reasons = [f"rank {r}: {kind} {detail}" for r, kind, detail in self._answers(5.0)]
+        held = _held_gpus()
+        if gpus > 0 and held > 0:  # the ranks would wait for GPUs their driver sits on
+            raise CapabilityError(
+                f"{self.sizes}: the process driving the group holds {held:g} GPUs of its own; "
+                "its rank actors hold the GPUs (start the trainer actor with "
+                "num_gpus=engines.factory.trainer_actor_gpus(local), i.e. 0)"
+            )
+        total = ray.cluster_resources()
+        if gpus * world > total.get("GPU", 0.0):
+            raise CapabilityError(
+                f"{self.sizes} runs {world} ranks, {gpus:g} GPU each (local.gpus_per_trainer="
+                f"{gpus * world:g}); the Ray cluster has {total.get('GPU', 0.0):g} GPUs"
+            )
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        bundles, strategy = rank_bundles(
+            parallel,
+            gpus_per_rank=gpus,
+            cpus_per_rank=cpus_per_rank,
+            nodes=nodes,
+            strategy=placement_strategy,
+        )
+        self.strategy = strategy
+        self._pg = placement_group(bundles, strategy=strategy)
+        self._actors: list = []
+        self._finalizer = weakref.finalize(self, _stop, self._actors, self._pg)
+        if not self._pg.wait(timeout_seconds=int(max(1, timeout_s))):
             self.close()
             raise RuntimeError(
-                f"megatron group ({sizes}) failed to start: rank 0: {error!r}; {reasons}"
-            ) from error
-        answers = self._answers()
-        if any(kind != "ready" for _, kind, _ in answers):
+                f"megatron group ({self.sizes}): Ray could not reserve {len(bundles)} × "
+                f"{bundles[0]} ({strategy}) within {timeout_s:.0f} s; the cluster has {nodes}"
+            )
+        for rank in range(world):
+            schedule = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+            self._actors.append(
+                MegatronRankActor.options(
+                    num_cpus=cpus_per_rank,
+                    num_gpus=gpus,
+                    scheduling_strategy=schedule,
+                    name=None,
+                ).remote(rank)
+            )
+        build = dict(model_path=model_path, lora=lora, parallel=parallel, device=device)
+        build.update(engine_kwargs)
+        try:
+            self.where: list[tuple[str, str, int]] = self._gather(
+                [a.where.remote() for a in self._actors], "start"
+            )
+            self._check_blocks()
+            address = ray.get(self._actors[0].world_address.remote(), timeout=timeout_s)
+            self._gather(
+                [a.build.remote(world, address, build, timeout_s, setup) for a in self._actors],
+                "build",
+            )
+        except BaseException:  # a rank that failed to build: no half-built group stays up
             self.close()
-            self._fail("build", answers, "ready")
+            raise
+
+    # -- where ranks are -------------------------------------------------------------------------
+
+    def rank_name(self, rank: int) -> str:
+        """`rank 3 (dp 1, pp 0, cp 0, tp 1) on node 10.0.0.2 (abcd1234), pid 4242`."""
+        p = self.parallel
+        c = rank_coords(rank, p.tp, p.pp, p.cp, p.dp)
+        coords = f"dp {c.dp_rank}, pp {c.pp_rank}, cp {c.cp_rank}, tp {c.tp_rank}"
+        where = getattr(self, "where", None)
+        if not where:
+            return f"rank {rank} ({coords})"
+        node, ip, pid = where[rank]
+        return f"rank {rank} ({coords}) on node {ip} ({node[:8]}), pid {pid}"
+
+    def node_ids(self) -> list[str]:
+        """Ray node id of every rank, in rank order."""
+        return [node for node, _ip, _pid in self.where]
+
+    def _check_blocks(self) -> None:
+        """Each TP × CP block (consecutive ranks in Megatron's order) must share one node."""
+        block = self.parallel.tp * self.parallel.cp
+        for start in range(0, self.world, block):
+            nodes = {self.where[r][0] for r in range(start, start + block)}
+            if len(nodes) > 1:
+                self.close()
+                raise RuntimeError(
+                    f"megatron group ({self.sizes}, placement {self.strategy}): ranks "
+                    f"{start}..{start + block - 1} form one TP × CP block but landed on "
+                    f"{len(nodes)} nodes; give each node room for whole blocks or set "
+                    "local.megatron.placement_strategy=STRICT_PACK"
+                )
 
     # -- the call protocol -----------------------------------------------------------------------
 
-    def _answers(self, wait_s: float | None = None) -> list[tuple[int, str, str | None]]:
-        """(rank, kind, detail) per worker: kind is its answer ("ok", "ready", "error") or "dead"
-        (exited, or silent for `wait_s`, default `timeout_s`, while alive)."""
-        wait = self.timeout_s if wait_s is None else wait_s
-        answers = []
-        for rank, (process, conn) in enumerate(self._workers, start=1):
-            deadline = time.monotonic() + wait
-            answer = None
-            while answer is None:
-                if conn.poll(_POLL_S):
-                    try:
-                        answer = conn.recv()
-                    except EOFError:
-                        answer = ("dead", f"exited with code {process.exitcode}")
-                elif not process.is_alive():
-                    answer = ("dead", f"exited with code {process.exitcode}")
-                elif time.monotonic() > deadline:
-                    answer = ("dead", f"no answer within {wait:.0f} s")
-            answers.append((rank, answer[0], answer[1]))
-        return answers
+    def _gather(self, refs: list, method: str) -> list:
+        """Every rank's answer to `method` (bounded); on a dead, silent or lone failing rank the
+        group is marked broken, its actors stopped, and the error names the ranks."""
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                rank = index[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as error:  # dead: fail now
+                    self._fail(method, {rank: f"died: {_reason(error)}"})
+                except Exception as error:  # noqa: BLE001 — judged below
+                    errors[rank] = error
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+        silent = {index[ref]: f"no answer within {self.timeout_s:.0f} s" for ref in pending}
+        if errors and len(errors) == len(refs):  # every rank failed alike: the group stays usable
+            cause = getattr(errors[0], "cause", None)  # rank 0's own exception, as it raised it
+            raise cause if isinstance(cause, Exception) else errors[0]
+        if errors or silent:
+            failed = {r: f"failed: {_reason(e)}" for r, e in errors.items()}
+            self._fail(method, {**failed, **silent})
+        return [results[rank] for rank in range(len(refs))]
 
-    def _fail(self, method: str, answers: list[tuple[int, str, str | None]], expect: str) -> None:
-        """Mark the group broken and raise, naming every rank that did not answer `expect`."""
+    def _fail(self, method: str, reasons: dict[int, str]) -> None:
         report = "\n".join(
-            f"{self.label} rank {rank} during {method}: {detail}"
-            for rank, kind, detail in answers
-            if kind != expect
+            f"{self.rank_name(rank)} during {method}: {reasons[rank]}" for rank in sorted(reasons)
         )
         self._broken = report
-        raise RuntimeError(f"megatron {self.label} group failed:\n{report}")
+        self.close()
+        raise RuntimeError(
+            f"megatron group ({self.sizes}) failed; it refuses further calls until rebuilt from "
+            f"the last checkpoint (the run's --resume):\n{report}"
+        )
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: Any) -> Any:
+        """Run engine method `method` on every rank; rank 0's result."""
         if self._broken is not None:
             raise RuntimeError(
-                f"megatron {self.label} group is broken by an earlier failure:\n{self._broken}"
+                f"megatron group ({self.sizes}) is broken by an earlier failure; rebuild it from "
+                f"the last checkpoint (the run's --resume):\n{self._broken}"
             )
-        for rank, (process, conn) in enumerate(self._workers, start=1):
-            if not process.is_alive():
-                self._broken = f"{self.label} rank {rank} exited with code {process.exitcode}"
-                raise RuntimeError(f"megatron {self.label} group failed: {self._broken}")
-            conn.send((method, args))
-        try:
-            result = getattr(self.local, method)(*args)
-        except Exception:
-            answers = self._answers()
-            if any(kind != "error" for _, kind, _ in answers):
-                self._fail(method, answers, "error")  # ranks disagree: the group is out of step
-            raise  # every rank failed alike (e.g. a bad loss config): the group stays usable
-        answers = self._answers()
-        if any(kind != "ok" for _, kind, _ in answers):
-            self._fail(method, answers, "ok")
-        return result
+        shared = ray.put(args)  # serialised once, read by every rank (zero-copy numpy)
+        return self._gather([a.call.remote(method, shared) for a in self._actors], method)[0]
 
     def close(self) -> None:
-        """Stop the worker ranks (also done when this object is collected)."""
+        """Stop the rank actors and free the placement group (also done when collected)."""
         self._finalizer()
 
     # -- TrainerEngine ---------------------------------------------------------------------------
@@ -261,28 +391,46 @@ class MegatronGroupEngine(TrainerEngine):
         loss_fn_config: dict[str, float] | None,
         forward_only: bool,
     ) -> ForwardResult:
-        return self._call("forward_backward", data, loss_fn, loss_fn_config, forward_only)
+        return self.call("forward_backward", data, loss_fn, loss_fn_config, forward_only)
 
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
-        return self._call("optim_step", adam_params)
+        return self.call("optim_step", adam_params)
+
+    hf_weights_on_host = True  # not CUDA tensors of this process: no CUDA IPC / NCCL export
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF weights on rank 0's GPU (gathered from every rank)."""
-        return self._call("hf_weights")
+        """Full HF weights as host tensors (gathered from every rank)."""
+        return self.call("hf_weights")
 
     def sampler_weights(self) -> dict[str, np.ndarray]:
-        return self._call("sampler_weights")
+        return self.call("sampler_weights")
 
     def adapter(self) -> LoraAdapter:
         """The full LoRA adapter (gathered from every rank; LoRA runs only)."""
-        return self._call("adapter")
+        return self.call("adapter")
 
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
-        self._call("save_state", directory, with_optimizer)
+        self.call("save_state", directory, with_optimizer)
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        self._call("load_state", directory, with_optimizer)
+        self.call("load_state", directory, with_optimizer)
 
     @property
     def steps(self) -> int:
-        return self.local.steps
+        return ray.get(self._actors[0].attribute.remote("steps"), timeout=self.timeout_s)
+
+
+def _held_gpus() -> float:
+    """GPUs Ray assigned to this process (0 in a driver: it is not a worker)."""
+    try:
+        return float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
+    except AssertionError:  # "only available when the process is a worker"
+        return 0.0
+
+
+def _reason(error: BaseException) -> str:
+    """A rank's failure in a few lines: the cause's message, or Ray's account of the death."""
+    cause = getattr(error, "cause", None)
+    text = repr(cause) if isinstance(cause, BaseException) else str(error)
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(lines[-6:])[:800]

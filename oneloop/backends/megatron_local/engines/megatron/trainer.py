@@ -11,11 +11,15 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
 - Speed without TE (`megatron.speed.MegatronSpeed`, measured by benchmarks/gpu_mfu.py): target
   logprobs from the hidden states (`fused_logprobs`, no fp32 full-vocab logits), bf16 norms,
   SwiGLU fusion, fused AdamW, SDPA backend choice, opt-in RoPE fusion.
-- Parallelism: one object is one rank. TP > 1: `megatron.group.MegatronGroupEngine` starts the
-  other ranks and drives them, `parallel.tp.MegatronTpRank` (this class plus the shard maps) is each
-  rank; PP > 1: `parallel.pp.MegatronPpRank` is each rank (one pipeline stage, Megatron's
-  schedule); CP > 1: `parallel.cp_rank.MegatronCpRank` is each rank (tp × cp; K/V all-gathered
-  over the CP group into our SDPA attention, no TE). EP > 1 is refused (`REFUSED_PARALLEL`).
+- Parallelism: one object is one rank. More than one rank: `megatron.group.MegatronRayGroup`
+  starts every rank as a Ray actor and drives them; TP > 1 or DP > 1: `parallel.tp.MegatronTpRank`
+  (this class plus the shard maps) is each rank. DP > 1: each `forward_backward` splits its datums
+  over the replicas by token count (`dp_shares`), each runs its own token-budget micro-batches and
+  the results are gathered (`merge_shares`); Megatron's DDP sums the replicas' gradients and the
+  distributed optimizer shards its state over them; PP > 1: `parallel.pp.MegatronPpRank` is
+  each rank (one pipeline stage, Megatron's schedule); CP > 1: `parallel.cp_rank.MegatronCpRank`
+  is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
+  EP > 1 is refused (`REFUSED_PARALLEL`).
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
@@ -73,6 +77,7 @@ class MegatronParallel:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp: int = 1
     use_distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
 
@@ -90,11 +95,11 @@ def init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
         if getattr(parallel, knob) != 1:
             raise CapabilityError(f"local.megatron.{knob}={getattr(parallel, knob)}: {why}")
     dist = torch.distributed
-    world = parallel.tp * parallel.pp * parallel.cp
+    world = parallel.tp * parallel.pp * parallel.cp * parallel.dp
     if world > 1 and not (dist.is_initialized() and dist.get_world_size() == world):
-        raise CapabilityError(  # megatron.group.MegatronGroupEngine starts the ranks first
-            f"local.megatron tp={parallel.tp} pp={parallel.pp} cp={parallel.cp}: the ranks are "
-            "started by megatron_group"
+        raise CapabilityError(  # megatron.group.MegatronRayGroup starts the ranks first
+            f"local.megatron dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} cp={parallel.cp}: "
+            "the ranks are started by megatron.group.MegatronRayGroup"
         )
     from megatron.core import parallel_state
 
@@ -128,11 +133,39 @@ def _read_hf_weights(model_path: Path) -> dict[str, torch.Tensor]:
 
 def optimizer_file(layout: dict[str, int], rank: int) -> str:
     """Optimizer state file of group rank `rank`: `optimizer.pt` for one process, else
-    `optimizer.tp{T}[.pp{P}][.cp{C}].rank{r}.pt` (each rank's shard; same sizes to resume)."""
+    `optimizer.tp{T}[.pp{P}][.cp{C}][.dp{D}].rank{r}.pt` (each rank's shard; same sizes to
+    resume)."""
     if all(size == 1 for size in layout.values()):
         return OPTIMIZER_FILE
-    extra = "".join(f".{k}{layout[k]}" for k in ("pp", "cp") if layout[k] > 1)
+    extra = "".join(f".{k}{layout[k]}" for k in ("pp", "cp", "dp") if layout.get(k, 1) > 1)
     return f"optimizer.tp{layout['tp']}{extra}.rank{rank}.pt"
+
+
+def dp_shares(lengths: list[int], dp: int) -> list[list[int]]:
+    """Datum indices per data-parallel replica, balanced by token count: longest first, each to
+    the replica with the fewest tokens so far (ties: the lower replica); each share in datum
+    order. Deterministic, so every rank computes the same split."""
+    shares: list[list[int]] = [[] for _ in range(dp)]
+    tokens = [0] * dp
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        replica = min(range(dp), key=lambda r: (tokens[r], r))
+        shares[replica].append(index)
+        tokens[replica] += lengths[index]
+    return [sorted(share) for share in shares]
+
+
+def merge_shares(results: list[ForwardResult], shares: list[list[int]], n: int) -> ForwardResult:
+    """The whole call's result from each replica's (`dp_shares` order): per-datum logprobs and
+    losses in datum order, the loss and metrics summed (Tinker's sums)."""
+    logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * n
+    per_datum = [0.0] * n
+    metrics: dict[str, float] = {}
+    for result, share in zip(results, shares, strict=True):
+        for row, index in enumerate(share):
+            logprobs[index], per_datum[index] = result.logprobs[row], result.per_datum_loss[row]
+        for key, value in result.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    return ForwardResult(logprobs, float(sum(per_datum)), per_datum, metrics)
 
 
 class MegatronTrainerEngine(TrainerEngine):
@@ -213,6 +246,8 @@ class MegatronTrainerEngine(TrainerEngine):
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             use_cpu_initialization=self.device.type != "cuda",
+            # DP: Megatron's DDP sums the replicas' gradients instead of averaging (Tinker's sums)
+            calculate_per_token_loss=self.parallel.dp > 1,
         )
 
     def _build_model(self):
@@ -313,7 +348,7 @@ class MegatronTrainerEngine(TrainerEngine):
             **megatron_offload.optimizer_config_fields(
                 self.parallel.optimizer_cpu_offload,
                 self.parallel.use_distributed_optimizer,
-                self.parallel.tp * self.parallel.pp * self.parallel.cp,
+                self.parallel.tp * self.parallel.pp * self.parallel.cp * self.parallel.dp,
                 {p.dtype for p in self.module.parameters() if p.requires_grad},
             ),
         )
@@ -336,11 +371,31 @@ class MegatronTrainerEngine(TrainerEngine):
     ) -> ForwardResult:
         config = losses.validate_loss_config(loss_fn, loss_fn_config)
         self.model.train()
-        return run_microbatches(
-            data,
+        if self.parallel.dp == 1:
+            return run_microbatches(
+                data,
+                self.max_tokens_per_microbatch,
+                lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
+            )
+        # DP: every datum checked on every rank first (a lone failing replica would leave the
+        # others waiting in the gather below), then this replica's share, then the whole call's.
+        for index, datum in enumerate(data):
+            inputs = {"target_tokens": datum.targets, **datum.inputs}
+            losses.validate_datum_inputs(loss_fn, len(datum.tokens), inputs, index)
+        from megatron.core import parallel_state
+
+        shares = dp_shares([len(d.tokens) for d in data], self.parallel.dp)
+        share = shares[parallel_state.get_data_parallel_rank()]
+        mine = run_microbatches(
+            [data[i] for i in share],
             self.max_tokens_per_microbatch,
             lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
         )
+        every: list = [None] * self.parallel.dp
+        torch.distributed.all_gather_object(
+            every, mine, group=parallel_state.get_data_parallel_group()
+        )
+        return merge_shares(every, shares, len(data))
 
     def _batch_tensors(self, data: list[DatumArrays]) -> tuple[torch.Tensor, ...]:
         """tokens, targets, mask [rows, T] (right-padded), loss inputs {key: [rows, T]} and
@@ -428,7 +483,8 @@ class MegatronTrainerEngine(TrainerEngine):
         return "te" if self.te else "local"
 
     def _layout(self) -> dict[str, int]:
-        return {"tp": self.parallel.tp, "pp": self.parallel.pp, "cp": self.parallel.cp}
+        p = self.parallel
+        return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.dp}
 
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -455,7 +511,8 @@ class MegatronTrainerEngine(TrainerEngine):
         steps, layout = int(state["steps"]), self._layout()
         saved = {k: int(state.get(k, 1)) for k in layout}
         if with_optimizer and steps > 0 and saved != layout:  # before anything changes
-            sizes = [" ".join(f"{k}={v}" for k, v in x.items()) for x in (saved, layout)]
+            shown = [k for k in layout if k != "dp" or saved[k] != 1 or layout[k] != 1]
+            sizes = [" ".join(f"{k}={x[k]}" for k in shown) for x in (saved, layout)]
             raise ValueError(
                 f"{directory}: optimizer state was saved at local.megatron {sizes[0]}, this "
                 f"trainer runs {sizes[1]}; resume at the saved sizes or load the weights only"

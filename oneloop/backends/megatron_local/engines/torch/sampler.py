@@ -21,6 +21,10 @@
   tokens, the same quantity the trainer computes; temperature / top-k / top-p only shape the draw.
 - Stops: `stop=None` stops on the model's EOS ids; token-id stops end on (and include) that token;
   string stops end on the token whose decoding completes the string (included).
+- Mixture-of-experts models (Qwen3-MoE, Qwen3.5-MoE): every sequence carries the experts each
+  fed position was routed to (`SampledArrays.routed_experts`, `routing.RouterRecorder`), the
+  record rollout routing replay gives the trainer. Hybrid (Gated DeltaNet) models keep their
+  fixed-size state in the same cache, selected by row like the KV cache.
 """
 
 import inspect
@@ -48,6 +52,11 @@ from oneloop.backends.megatron_local.engines.hf import (
     set_threads,
     token_logprobs,
     untie_embeddings,
+)
+from oneloop.backends.megatron_local.engines.torch.routing import (
+    ROUTING_DTYPE,
+    RouterRecorder,
+    moe_routers,
 )
 from oneloop.errors import BackendError, RequestError
 
@@ -97,6 +106,7 @@ class TorchSamplerEngine(SamplerEngine):
         # Prefill computes the last position's logits only, unless a request wants the prompt's.
         self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.routers = moe_routers(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -340,13 +350,19 @@ class TorchSamplerEngine(SamplerEngine):
         with self.lock:
             version = self._use(key)
             self.batch_history.append(len(requests))
-            return self._generate(requests, version)
+            if not self.routers:
+                return self._generate(requests, version, None)
+            with RouterRecorder(self.routers) as recorder:
+                return self._generate(requests, version, recorder)
 
     # -- generation ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _generate(self, requests: list[SampleRequest], version: int) -> list[SampleOutput]:
-        """All sequences of `requests` as one batch (see the module docstring)."""
+    def _generate(
+        self, requests: list[SampleRequest], version: int, recorder: RouterRecorder | None
+    ) -> list[SampleOutput]:
+        """All sequences of `requests` as one batch (see the module docstring); `recorder`
+        (MoE models) collects each sequence's routing."""
         device = self.device
         lengths = [int(r.prompt.shape[0]) for r in requests]
         width = max(lengths)
@@ -379,7 +395,11 @@ class TorchSamplerEngine(SamplerEngine):
             seed = request.seed if request.seed is not None else int.from_bytes(np.random.bytes(7))
             generators += [self._generator(seed, i) for i in range(request.num_samples)]
         rows = torch.tensor(owner, device=device)
-        cache.batch_select_indices(rows)
+        routing: list[list[torch.Tensor]] = []
+        if recorder is not None:  # prefill: [requests × width, layers, k] → each row's prompt
+            prefill = recorder.take().reshape(len(requests), width, *recorder.take_shape())
+            routing = [[prefill[j, width - lengths[j] :]] for j in owner]
+        cache.reorder_cache(rows)  # row select; hybrid (GDN) caches too
         logits, mask = out.logits[:, -1, :][rows], mask[rows]
         del out
         positions = torch.tensor([lengths[j] for j in owner], device=device)
@@ -407,7 +427,7 @@ class TorchSamplerEngine(SamplerEngine):
                 break
             if len(keep) < len(active):  # finished rows leave the batch
                 index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
+                cache.reorder_cache(index)
                 chosen, mask, positions = chosen[index], mask[index], positions[index]
                 active = [active[p] for p in keep]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
@@ -420,6 +440,10 @@ class TorchSamplerEngine(SamplerEngine):
             )
             logits = out.logits[:, -1, :]
             positions = positions + 1
+            if recorder is not None:
+                step = recorder.take()  # [active rows, layers, k]
+                for p, g in enumerate(active):
+                    routing[g].append(step[p : p + 1])
         outputs = []
         for j, _ in enumerate(requests):
             sequences = [
@@ -427,6 +451,9 @@ class TorchSamplerEngine(SamplerEngine):
                     tokens=np.asarray(tokens[g], dtype=np.int32),
                     logprobs=np.asarray(logprobs[g], dtype=np.float32),
                     stop_reason=reasons[g],
+                    routed_experts=torch.cat(routing[g]).cpu().numpy().astype(ROUTING_DTYPE)
+                    if routing
+                    else None,
                 )
                 for g in range(len(owner))
                 if owner[g] == j

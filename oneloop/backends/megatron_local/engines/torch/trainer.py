@@ -6,6 +6,13 @@
   so gradients accumulate exactly across micro-batches and across `forward_backward` calls.
 - AdamW is torch's (Tinker documents its Adam as identical to `torch.optim.AdamW`); every
   AdamParams field is applied at every step, including `weight_decay` and `grad_clip_norm`.
+- Mixture-of-experts models: a datum with `routing` (R3) is computed with the sampler's experts
+  at its recorded positions (`routing.RouterReplay`). Such a micro-batch also reports, summed,
+  `routing/positions` and `routing/differ` (position × MoE layer pairs replayed, and those whose
+  own expert set differed: routing agreement) and, over positions with a sampler logprob,
+  `routing/gap_replay` and `routing/gap_free` (|trainer − sampler| logprob with replay, and from
+  one extra no-grad forward without) with their count `routing/gap_tokens`. LoRA on a MoE model
+  is refused (its experts are fused parameters peft's module LoRA does not reach).
 """
 
 import json
@@ -29,8 +36,16 @@ from oneloop.backends.megatron_local.engines.microbatch import (
     padded_arrays,
     run_microbatches,
 )
+from oneloop.backends.megatron_local.engines.torch.routing import (
+    RouterReplay,
+    check_routing,
+    forced_routing,
+    moe_routers,
+)
 
 _ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Gated DeltaNet (linear attention) projections of the hybrid Qwen3.5 families.
+_GDN_MODULES = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
 _MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
 WEIGHTS_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -57,10 +72,16 @@ class TorchTrainerEngine(TrainerEngine):
         if lora.seed is not None:
             torch.manual_seed(lora.seed)
         model = load_causal_lm(model_path, dtype)
+        self.routers = moe_routers(model)
+        if lora.rank > 0 and self.routers:
+            raise ValueError(
+                "lora_rank: LoRA on a mixture-of-experts model is not supported by the torch "
+                "engine (its experts are fused parameters); train it fully (lora_rank 0)"
+            )
         if lora.rank > 0:
             from peft import LoraConfig, get_peft_model
 
-            targets = (_ATTN_MODULES if lora.train_attn else []) + (
+            targets = (_ATTN_MODULES + _GDN_MODULES if lora.train_attn else []) + (
                 _MLP_MODULES if lora.train_mlp else []
             )
             if lora.train_unembed:
@@ -99,13 +120,69 @@ class TorchTrainerEngine(TrainerEngine):
         arrays = padded_arrays(data, max(len(d.tokens) for d in data))
         tokens, targets, mask = (torch.from_numpy(a).to(self.device) for a in arrays[:3])
         inputs = {k: torch.from_numpy(v).to(self.device) for k, v in arrays[3].items()}
+        routed = [d.routing for d in data]
+        replay = None
+        if any(r is not None for r in routed):
+            replay = self._replay(data, tokens.shape[1])
         with torch.set_grad_enabled(not forward_only):
-            logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
+            if replay is None:
+                logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
+            else:
+                with replay:
+                    logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
             target_lp = token_logprobs(logits, targets)
             result = losses.compute_loss(loss_fn, target_lp, inputs, mask, config)
             if not forward_only:
                 result.loss.backward()
+        if replay is not None:
+            metrics = self._replay_metrics(replay, tokens, targets, mask, inputs, target_lp)
+            result.metrics.update(metrics)
         return result, target_lp.detach().float().cpu().numpy()
+
+    def _replay(self, data: list[DatumArrays], seq: int) -> RouterReplay:
+        """The replay hooks of one micro-batch (checks every datum's routing first)."""
+        if not self.routers:
+            raise ValueError(
+                "routed_experts: routing replay needs a mixture-of-experts model; this model "
+                "has no MoE router (set algo.routing_replay: false)"
+            )
+        layers, k = len(self.routers), int(self.routers[0].top_k)
+        experts = int(self.routers[0].num_experts)
+        for datum in data:
+            if datum.routing is not None:
+                check_routing(datum.routing, len(datum.tokens), layers, k, experts)
+        return RouterReplay(self.routers, forced_routing([d.routing for d in data], seq, layers, k))
+
+    @torch.no_grad()
+    def _replay_metrics(
+        self,
+        replay: RouterReplay,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        mask: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        target_lp: torch.Tensor,
+    ) -> dict[str, float]:
+        """Routing agreement and the gap with / without replay (see the module docstring)."""
+        forced = replay.forced
+        replayed = forced[:, :, 0] >= 0  # [positions, layers]
+        natural = torch.stack(replay.natural, dim=1).cpu().sort(dim=-1).values
+        differ = (natural != forced.sort(dim=-1).values).any(dim=-1) & replayed
+        metrics = {
+            "routing/positions:sum": float(replayed.sum()),
+            "routing/differ:sum": float(differ.sum()),
+        }
+        if "logprobs" in inputs:
+            sampled = mask & (inputs["logprobs"] != 0)
+            logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
+            free = token_logprobs(logits, targets)
+            sampler = inputs["logprobs"]
+            metrics["routing/gap_tokens:sum"] = float(sampled.sum())
+            metrics["routing/gap_replay:sum"] = float(
+                ((target_lp.detach() - sampler).abs() * sampled).sum()
+            )
+            metrics["routing/gap_free:sum"] = float(((free - sampler).abs() * sampled).sum())
+        return metrics
 
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         lr = float(adam_params["learning_rate"])

@@ -28,6 +28,10 @@
   Hugging Face arrays (reference: the model's own `load_weights`), `CudaIpcWeights` (same GPU:
   straight copies into the parameters' storage) or `NcclWeights` (a trainer on another GPU:
   received straight into the parameters' storage over a group opened by `open_weight_group`).
+- Tensor parallelism (`tp` > 1, `local.vllm.tp`): vLLM's worker processes on the actor's tp GPUs;
+  every load is a `collective_rpc` that each worker runs on its own shard (the Hugging Face path:
+  vLLM's loader slices each tensor per rank), and `SyncRecord.workers` counts the ranks that
+  loaded. The CUDA IPC / NCCL paths carry one worker's layout: refused at tp > 1 (config).
 """
 
 import asyncio
@@ -82,6 +86,7 @@ class SyncRecord:
     resume_ms: float
     window_ms: float  # pause call start → resume returned: what in-flight requests feel
     transfer_ms: float | None = None  # NCCL only: GPU time of the receive itself (within load)
+    workers: int = 1  # engine workers (tensor-parallel ranks) that loaded their shard
 
 
 class VllmSamplerEngine(SamplerEngine):
@@ -102,7 +107,11 @@ class VllmSamplerEngine(SamplerEngine):
         extra_engine_args: dict | None = None,
         lora: LoraServing | None = None,
         max_snapshots: int = 8,
+        tp: int = 1,
     ) -> None:
+        # tp > 1: vLLM's own worker processes on the actor's tp GPUs (its "mp" executor); the
+        # default would pick Ray's executor inside our placement group and find no bundle free.
+        parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
         self.engine_kwargs = dict(
             model=str(model_path),
             skip_tokenizer_init=True,
@@ -117,6 +126,7 @@ class VllmSamplerEngine(SamplerEngine):
             logprobs_mode="raw_logprobs",
             enable_prefix_caching=True,
             disable_log_stats=True,
+            **(parallel if tp > 1 else {}),
             **(lora.engine_args() if lora is not None else {}),
             **(extra_engine_args or {}),
         )
@@ -224,8 +234,11 @@ class VllmSamplerEngine(SamplerEngine):
         return str(self.worker_call("open_nccl_group", name, host, port, world_size, rank))
 
     async def _rpc(self, method: str, *args):
-        results = await self._engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
-        return results[0]  # one worker (tensor parallel size 1)
+        return (await self._rpc_all(method, *args))[0]  # worker 0's answer
+
+    async def _rpc_all(self, method: str, *args) -> list:
+        """Every worker's answer (one per tensor-parallel rank; any failure raises)."""
+        return await self._engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
 
     def set_weights(
         self,
@@ -278,7 +291,8 @@ class VllmSamplerEngine(SamplerEngine):
                 try:  # resume even when the pause, the load or our caller's wait fails
                     await self._engine.pause_generation(mode=mode, clear_cache=False)
                     t1 = time.perf_counter()
-                    loaded = await self._rpc(method, *args)
+                    answers = await self._rpc_all(method, *args)  # every rank its shard
+                    loaded = answers[0]
                 except BaseException:
                     self._live = (None, self._live[1])  # maybe partly loaded: no key owns them
                     raise
@@ -303,6 +317,7 @@ class VllmSamplerEngine(SamplerEngine):
                         resume_ms=1e3 * (t3 - t2),
                         window_ms=1e3 * (t3 - t0),
                         transfer_ms=loaded.get("transfer_ms") if isinstance(loaded, dict) else None,
+                        workers=len(answers),
                     )
                 )
             finally:

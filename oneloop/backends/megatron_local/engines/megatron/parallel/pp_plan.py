@@ -1,9 +1,10 @@
 """Rank and layer arithmetic of a `megatron` trainer group (pure Python/torch; tested in CI).
 
-A group runs tp · pp · cp ranks (one per GPU, data-parallel size 1) placed the way Megatron's
-`parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)` places them (its
-default order "tp-cp-ep-dp-pp": TP varies fastest, then CP, then the pipeline stage):
-global rank = tp_rank + tp · (cp_rank + cp · pp_rank).
+A group runs tp · pp · cp · dp ranks (one per GPU) placed the way Megatron's
+`parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)` places them in a world
+of that size (its default order "tp-cp-ep-dp-pp": TP varies fastest, then CP, then the
+data-parallel replica, then the pipeline stage; ep = 1):
+global rank = tp_rank + tp · (cp_rank + cp · (dp_rank + dp · pp_rank)).
 
 Pipeline stages split the decoder layers evenly (Megatron's default split; no uneven first/last
 stage): stage s holds global layers [s · L/pp, (s+1) · L/pp), named `decoder.layers.0..` inside
@@ -20,9 +21,9 @@ import torch
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def group_size(tp: int, pp: int, cp: int) -> int:
+def group_size(tp: int, pp: int, cp: int, dp: int = 1) -> int:
     """GPUs (= ranks) of one trainer group."""
-    return tp * pp * cp
+    return tp * pp * cp * dp
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,35 @@ class RankCoords:
     tp_rank: int
     cp_rank: int
     pp_rank: int
+    dp_rank: int = 0
 
 
-def rank_coords(rank: int, tp: int, pp: int, cp: int) -> RankCoords:
-    """Megatron's placement of `rank` (order tp-cp-ep-dp-pp, data-parallel size 1)."""
-    if not 0 <= rank < group_size(tp, pp, cp):
-        raise ValueError(f"rank {rank} outside a group of tp={tp} × pp={pp} × cp={cp}")
-    return RankCoords(tp_rank=rank % tp, cp_rank=(rank // tp) % cp, pp_rank=rank // (tp * cp))
+def rank_coords(rank: int, tp: int, pp: int, cp: int, dp: int = 1) -> RankCoords:
+    """Megatron's placement of `rank` (order tp-cp-ep-dp-pp, ep = 1)."""
+    if not 0 <= rank < group_size(tp, pp, cp, dp):
+        raise ValueError(f"rank {rank} outside a group of dp={dp} × tp={tp} × pp={pp} × cp={cp}")
+    return RankCoords(
+        tp_rank=rank % tp,
+        cp_rank=(rank // tp) % cp,
+        pp_rank=rank // (tp * cp * dp),
+        dp_rank=(rank // (tp * cp)) % dp,
+    )
+
+
+def resolve_dp(dp: int | None, gpus_per_trainer: float, tp: int, pp: int, cp: int) -> int:
+    """`local.megatron.dp`, or (None) derived from the trainer's GPUs: gpus_per_trainer / (tp · pp
+    · cp) whole replicas, at least 1 (a CPU run, or one model-parallel group)."""
+    if dp is not None:
+        return dp
+    model_parallel = group_size(tp, pp, cp)
+    replicas = int(gpus_per_trainer // model_parallel)
+    if gpus_per_trainer > model_parallel and replicas * model_parallel != gpus_per_trainer:
+        raise ValueError(
+            f"local.gpus_per_trainer={gpus_per_trainer:g} is not a whole number of tp={tp} × "
+            f"pp={pp} × cp={cp} replicas ({model_parallel} GPUs each): set local.megatron.dp or "
+            "local.gpus_per_trainer to a multiple"
+        )
+    return max(1, replicas)
 
 
 def check_pp(layers: int, pp: int) -> None:
@@ -62,16 +85,22 @@ def stage_layers(layers: int, pp: int, pp_rank: int) -> range:
 
 
 def check_gpus_per_trainer(
-    gpus_per_trainer: float, tp: int, pp: int, cp: int, trainer_engine: str = "megatron"
+    gpus_per_trainer: float,
+    tp: int,
+    pp: int,
+    cp: int,
+    trainer_engine: str = "megatron",
+    dp: int = 1,
 ) -> None:
-    """A megatron group needs one whole GPU per rank: `local.gpus_per_trainer` = tp · pp · cp."""
-    size = group_size(tp, pp, cp)
+    """A megatron group needs one whole GPU per rank: `local.gpus_per_trainer` = dp · tp · pp · cp
+    (the group's placement group holds them, one per rank actor)."""
+    size = group_size(tp, pp, cp, dp)
     if trainer_engine != "megatron" or size == 1:
         return
     if gpus_per_trainer != size:
         raise ValueError(
-            f"local.gpus_per_trainer={gpus_per_trainer:g}: local.megatron tp={tp} × pp={pp} × "
-            f"cp={cp} runs {size} ranks, one per GPU, so the trainer actor needs "
+            f"local.gpus_per_trainer={gpus_per_trainer:g}: local.megatron dp={dp} × tp={tp} × "
+            f"pp={pp} × cp={cp} runs {size} ranks, one GPU each, so the trainer needs "
             f"local.gpus_per_trainer={size}"
         )
 

@@ -1,8 +1,9 @@
 """One tensor-parallel rank of the `megatron` trainer engine (`megatron.group` drives the ranks).
 
-Every rank runs the same calls in the same order (rank 0 in the trainer actor, ranks 1.. in worker
-processes); Megatron's column/row-parallel layers do the activation all-reduces. What differs from
-the one-process engine:
+Every rank runs the same calls in the same order (each rank a Ray actor of `megatron.group`);
+Megatron's column/row-parallel layers do the activation all-reduces. Also the rank class of a
+data-parallel group (tp = 1 included): the replicas split each call's datums
+(`trainer.dp_shares`). What differs from the one-process engine:
 - import: each rank copies its part of the full HF weights (`parallel.shard`);
 - target logprobs: the logits are vocabulary-sharded, so log p(target) = −(Megatron's
   vocab-parallel cross entropy), identical on every rank;
@@ -44,14 +45,16 @@ class MegatronTpRank(MegatronTrainerEngine):
         from transformers import AutoConfig
 
         check_tp(DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path))), parallel.tp)
-        self.tp, self.rank = parallel.tp, rank
+        # `rank`: the global rank (TP rank = rank % tp: TP varies fastest in Megatron's order)
+        self.tp, self.rank = parallel.tp, rank % parallel.tp
         self.global_rank = self.global_rank or rank  # MegatronCpRank sets its own first
         super().__init__(model_path, lora, parallel=parallel, **kwargs)
         from megatron.core import parallel_state
 
-        if parallel_state.get_tensor_model_parallel_rank() != rank:
+        if parallel_state.get_tensor_model_parallel_rank() != self.rank:
             raise RuntimeError(
-                f"rank {rank} got TP rank {parallel_state.get_tensor_model_parallel_rank()}"
+                f"rank {rank} got TP rank {parallel_state.get_tensor_model_parallel_rank()}, "
+                f"expected {self.rank}"
             )
 
     def _tp_group(self):

@@ -1,0 +1,84 @@
+"""A bad mixture-of-experts setup is refused by `load_config`, before any engine starts, naming
+the field: routing replay on a backend that cannot replay or on a dense model, experts not
+divisible by expert parallelism, an unknown layer type."""
+
+import json
+import shutil
+
+import pytest
+
+from oneloop.backends.capabilities import TINKER_SERVICE, local_capabilities
+from oneloop.backends.model_check import check_model, model_config
+from oneloop.errors import CapabilityError, ConfigError
+from oneloop.loop.config import load_config
+from oneloop.tiny.model import TINY_QWEN3_5, TINY_QWEN3_5_MOE, TINY_QWEN3_MOE, named_tiny_specs
+
+REPLAY = "algo.routing_replay=true"
+
+
+def test_routing_replay_runs_on_the_local_torch_engines_with_a_moe_model():
+    cfg = load_config("demo-cpu", [REPLAY, f"model.base_model={TINY_QWEN3_MOE}"])
+    assert cfg.algo.routing_replay
+    assert local_capabilities(8).routing_replay and not TINKER_SERVICE.routing_replay
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["backend.backend=tinker", "model.lora_rank=8"], "not supported by backend 'tinker'"),
+        (["backend.local.trainer_engine=megatron"], "not supported by backend 'local'"),
+        (["backend.local.sampler_engine=vllm"], "not supported by backend 'local'"),
+        ([f"model.base_model={TINY_QWEN3_5}"], "routing replay needs a mixture-of-experts model"),
+        (["model.base_model=oneloop/tiny-qwen3"], "is dense"),
+    ],
+)
+def test_routing_replay_is_refused_naming_the_field(overrides, message):
+    with pytest.raises(CapabilityError, match=message) as caught:
+        load_config("demo-cpu", [REPLAY, *overrides])
+    assert str(caught.value).startswith("algo.routing_replay: ")
+
+
+def test_experts_not_divisible_by_ep_are_refused_naming_the_field():
+    base = ["backend.local.trainer_engine=megatron", f"model.base_model={TINY_QWEN3_5_MOE}"]
+    assert named_tiny_specs()[TINY_QWEN3_5_MOE].num_experts == 8
+    load_config("demo-cpu", [*base, "backend.local.megatron.ep=4"])  # 8 experts over 4 ranks
+    with pytest.raises(ConfigError, match=r"local\.megatron\.ep=3: .* its 8 experts"):
+        load_config("demo-cpu", [*base, "backend.local.megatron.ep=3"])
+    with pytest.raises(ConfigError, match=r"local\.megatron\.ep=2: .* dense model"):
+        load_config("demo-cpu", ["backend.local.trainer_engine=megatron",
+                                 "backend.local.megatron.ep=2"])  # fmt: skip
+
+
+def test_an_unknown_layer_type_is_refused_naming_it(tmp_path):
+    source = model_config({}, TINY_QWEN3_5_MOE)
+    assert source is not None and source["layer_types"][-1] == "full_attention"
+    directory = tmp_path / "model"
+    directory.mkdir()
+    bad = {**source, "layer_types": [*source["layer_types"][:-1], "sliding_mamba"]}
+    (directory / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CapabilityError, match=r"layer_types\[3\]='sliding_mamba'"):
+        load_config("demo-cpu", [REPLAY, f"model.base_model={directory}"])
+    with pytest.raises(CapabilityError, match="layer_types"):
+        check_model(bad, base_model="m")
+    shutil.rmtree(directory)
+
+
+def test_size_counts_the_hybrid_layers_fixed_state_per_sequence(tmp_path, capsys):
+    """Qwen3.6-35B-A3B's width (transformers' Qwen3_5MoeConfig defaults): 30 Gated DeltaNet
+    layers keep a state per sequence that shrinks the sequences an engine holds."""
+    from transformers import Qwen3_5MoeConfig
+
+    from oneloop.diagnostics.size import main
+
+    Qwen3_5MoeConfig().save_pretrained(tmp_path)
+    args = [str(tmp_path), "--gpu-memory-gib", "141", "--mean-trajectory-tokens", "2000",
+            "--max-staleness", "3", "--groups-per-step", "16", "--samples-per-group", "16",
+            "--engines", "4", "--tp", "2", "--json"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    # per GPU at TP 2: 30 layers * (16 value heads * 128 * 128 + 3 conv taps * 4096 ch) * 2 B
+    state = 30 * (16 * 128 * 128 + 3 * 4096) * 2
+    assert any(f"= {state:,} B" in line for line in report["arithmetic"])
+    per_sequence = 2000 * report["kv_bytes_per_token_per_gpu"] + state
+    assert report["system_cap"] == 4 * (report["kv_budget_bytes_per_gpu"] // per_sequence)
+    assert report["system_cap"] < 4 * (report["kv_tokens_per_engine"] // 2000)

@@ -1,0 +1,119 @@
+"""Device check of rollout routing replay (R3) on a real-width MoE: vLLM 0.26 samples with
+`enable_return_routed_experts`, our torch trainer engine (bf16, CUDA) scores the same samples with
+the recorded experts replayed and without; the sampled-token logprob gap with replay must be
+strictly below the gap without, on the same samples.
+
+Device only: `pytest -m gpu tests/backends/engines/test_moe_gpu.py` (skips without vLLM or CUDA;
+needs the MoE kernel part, `scripts/device/prepare_moe_part.sh`). Model: Qwen3-30B-A3B's width
+(hidden 2048, 32 query / 4 KV heads of 128, 128 experts top-8 of width 768) at 4 layers, random
+bf16 weights, built here (3.1 B parameters), or `ONELOOP_GPU_MOE_DIR`. Figures go to
+`$OUT/moe_r3.json` when OUT is set. vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
+the device README saw its multiprocess engine core hang once with R3 on).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  # noqa: E402
+from oneloop.backends.megatron_local.engines.torch.trainer import (  # noqa: E402
+    TorchTrainerEngine,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
+
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 32, 48, 64
+
+
+def build_qwen3_moe(directory: Path) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    given = os.environ.get("ONELOOP_GPU_MOE_DIR")
+    if given:
+        return Path(given)
+    return build_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe-4l"))
+
+
+def _vllm_samples(model_dir: Path) -> list[tuple[np.ndarray, list[int], list[float], np.ndarray]]:
+    """(prompt, tokens, sampled-token logprobs, routed experts) per prompt, from raw vLLM."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        str(model_dir), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.4,
+        max_model_len=1024, enable_return_routed_experts=True, skip_tokenizer_init=True,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 150000, PROMPT_TOKENS) for _ in range(PROMPTS)]
+    params = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, logprobs=0, seed=0,
+                            ignore_eos=True, detokenize=False)  # fmt: skip
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params)
+    samples = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        done = out.outputs[0]
+        logprobs = [d[t].logprob for d, t in zip(done.logprobs, done.token_ids, strict=True)]
+        samples.append((prompt, list(done.token_ids), logprobs, np.asarray(done.routed_experts)))
+    del llm
+    torch.cuda.empty_cache()
+    return samples
+
+
+def test_vllm_routing_replay_lowers_the_trainer_sampler_gap(model_dir):
+    samples = _vllm_samples(model_dir)
+    trainer = TorchTrainerEngine(model_dir, LoraSpec(rank=0), dtype="bfloat16", device="cuda")
+    layers, k = len(trainer.routers), int(trainer.routers[0].top_k)
+    data = []
+    for prompt, tokens, logprobs, routed in samples:
+        full = np.concatenate([prompt, tokens]).astype(np.int64)
+        n = len(full) - 1
+        assert routed.ndim == 3 and routed.shape[1:] == (layers, k), routed.shape
+        sampler_lp = np.zeros(n, np.float32)
+        sampler_lp[len(prompt) - 1 :] = logprobs
+        data.append(
+            DatumArrays(
+                full[:-1],
+                full[1:],
+                {"logprobs": sampler_lp, "advantages": (sampler_lp != 0).astype(np.float32)},
+                routing=routed[:n].astype(np.int16),
+            )
+        )
+    metrics = trainer.forward_backward(data, "importance_sampling", None, True).metrics
+    tokens = metrics["routing/gap_tokens:sum"]
+    figures = {
+        "gap_replay_mean": metrics["routing/gap_replay:sum"] / tokens,
+        "gap_free_mean": metrics["routing/gap_free:sum"] / tokens,
+        "routing_differ_frac": metrics["routing/differ:sum"] / metrics["routing/positions:sum"],
+        "sampled_tokens": tokens,
+        "routed_experts_rows_per_sample": [int(s[3].shape[0]) for s in samples[:2]],
+    }
+    print("RESULT moe_r3", figures)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "moe_r3.json").write_text(json.dumps(figures, indent=1))
+    assert figures["gap_replay_mean"] < figures["gap_free_mean"], figures

@@ -1,0 +1,78 @@
+"""The HF ⇄ Megatron mapping of the MoE / hybrid families (`engines.megatron.moe`) round-trips
+each family's tiny checkpoint exactly, fuses the layouts megatron-core reads, and shards experts
+over expert-parallel ranks."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from oneloop.backends.megatron_local.engines.megatron.moe import (
+    HybridShape,
+    MoeSettings,
+    expert_shard,
+    hf_to_megatron,
+    megatron_to_hf,
+)
+from oneloop.tiny.model import (
+    TINY_QWEN3_5,
+    TINY_QWEN3_5_MOE,
+    TINY_QWEN3_MOE,
+    build_tiny_model,
+    named_tiny_specs,
+)
+
+
+def _checkpoint(name):
+    path = build_tiny_model(named_tiny_specs()[name])
+    shape = HybridShape.from_hf(AutoConfig.from_pretrained(path))
+    return shape, load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", [TINY_QWEN3_MOE, TINY_QWEN3_5_MOE, TINY_QWEN3_5])
+def test_mapping_round_trips_each_family(name):
+    shape, hf = _checkpoint(name)
+    mega = hf_to_megatron(shape, hf)
+    back = megatron_to_hf(shape, mega)
+    if shape.tied:
+        assert torch.equal(back.pop("lm_head.weight"), hf["model.embed_tokens.weight"])
+    assert sorted(back) == sorted(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    # every HF tensor lands somewhere once: parameter counts agree
+    assert sum(t.numel() for t in mega.values()) == sum(t.numel() for t in hf.values())
+    layer = shape.layer_types.index("full_attention")
+    qkv = mega[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]
+    gate = 2 if shape.gated_attention else 1
+    assert qkv.shape[0] == (gate * shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    if shape.experts:
+        assert mega["decoder.layers.0.mlp.router.weight"].shape == (shape.experts, shape.hidden)
+        settings = MoeSettings().transformer_config_kwargs(shape)
+        assert settings["moe_router_dtype"] == "fp32" and settings["moe_aux_loss_coeff"] == 0.0
+        assert settings["moe_shared_expert_gate"] == (shape.shared_ffn > 0)
+
+
+def test_gated_attention_layout_is_megatrons_per_group_order():
+    """Per KV group: its query heads, their gate heads, its key head, its value head."""
+    shape, hf = _checkpoint(TINY_QWEN3_5_MOE)
+    layer = shape.layer_types.index("full_attention")
+    src = f"model.layers.{layer}.self_attn."
+    qkv = hf_to_megatron(shape, hf)[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]
+    d, group = shape.head_dim, shape.heads // shape.kv_heads
+    q = hf[src + "q_proj.weight"].reshape(shape.heads, 2, d, -1)  # HF: per head query, gate
+    block = qkv.reshape(shape.kv_heads, (2 * group + 2) * d, -1)[1]  # group 1
+    assert torch.equal(block[:d], q[group, 0])  # first query head of group 1
+    assert torch.equal(block[group * d : group * d + d], q[group, 1])  # its gate head
+    key = hf[src + "k_proj.weight"][d : 2 * d]  # key head of group 1
+    assert torch.equal(block[2 * group * d : 2 * group * d + d], key)
+
+
+def test_experts_shard_over_ep_ranks_and_refuse_an_uneven_split():
+    shape, hf = _checkpoint(TINY_QWEN3_MOE)
+    mega = hf_to_megatron(shape, hf)
+    shards = [expert_shard(shape, mega, 2, rank) for rank in range(2)]
+    name = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc2.weight"
+    assert torch.equal(shards[1][name.format(0)], mega[name.format(shape.experts // 2)])
+    assert name.format(shape.experts // 2) not in shards[0]
+    assert len(shards[0]) == len(shards[1]) < len(mega)
+    with pytest.raises(ValueError, match=r"local\.megatron\.ep=3"):
+        expert_shard(shape, mega, 3, 0)
