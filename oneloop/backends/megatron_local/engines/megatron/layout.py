@@ -107,14 +107,33 @@ def _split_qkv(shape: DenseShape, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def hf_to_megatron(shape: DenseShape, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map a full HF state dict (names as in `model.safetensors`) to GPTModel parameter names."""
-    out: dict[str, torch.Tensor] = {
+def globals_to_megatron(tied: bool, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights outside the decoder layers (embedding, final norm, untied head), HF →
+    megatron names: the same for every family (dense, MoE, hybrid)."""
+    out = {
         "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
     }
-    if not shape.tied:
+    if not tied:
         out["output_layer.weight"] = hf["lm_head.weight"]
+    return out
+
+
+def globals_to_hf(tied: bool, mega: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `globals_to_megatron`; a tied model also gets `lm_head.weight` (samplers
+    untie)."""
+    return {
+        "model.embed_tokens.weight": mega["embedding.word_embeddings.weight"],
+        "model.norm.weight": mega["decoder.final_layernorm.weight"],
+        "lm_head.weight": mega[
+            "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+        ],
+    }
+
+
+def hf_to_megatron(shape: DenseShape, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map a full HF state dict (names as in `model.safetensors`) to GPTModel parameter names."""
+    out = globals_to_megatron(shape.tied, hf)
     for i in range(shape.layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         for mega, name in _per_layer(shape):
@@ -138,13 +157,7 @@ def hf_to_megatron(shape: DenseShape, hf: dict[str, torch.Tensor]) -> dict[str, 
 
 def megatron_to_hf(shape: DenseShape, mega: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron`; a tied model also gets `lm_head.weight` (samplers untie)."""
-    out: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": mega["embedding.word_embeddings.weight"],
-        "model.norm.weight": mega["decoder.final_layernorm.weight"],
-        "lm_head.weight": mega[
-            "embedding.word_embeddings.weight" if shape.tied else "output_layer.weight"
-        ],
-    }
+    out = globals_to_hf(shape.tied, mega)
     for i in range(shape.layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for mega_name, name in _per_layer(shape):

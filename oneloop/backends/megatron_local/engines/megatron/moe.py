@@ -28,7 +28,11 @@ from typing import Any
 
 import torch
 
-from oneloop.backends.megatron_local.engines.megatron.layout import fuse_qkv
+from oneloop.backends.megatron_local.engines.megatron.layout import (
+    fuse_qkv,
+    globals_to_hf,
+    globals_to_megatron,
+)
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 HYBRID_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
@@ -242,12 +246,7 @@ def _fc1_pairs(shape: HybridShape) -> list[tuple[str, str]]:
 
 def hf_to_megatron(shape: HybridShape, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full HF state dict (checkpoint names, text model under `model.`) → megatron names."""
-    out = {
-        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-    }
-    if not shape.tied:
-        out["output_layer.weight"] = hf["lm_head.weight"]
+    out = globals_to_megatron(shape.tied, hf)
     for i in range(shape.layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         for mega, name in _layer_pairs(shape, i):
@@ -279,13 +278,7 @@ def hf_to_megatron(shape: HybridShape, hf: dict[str, torch.Tensor]) -> dict[str,
 
 def megatron_to_hf(shape: HybridShape, mega: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron`; a tied model also gets `lm_head.weight` (samplers untie)."""
-    out = {
-        "model.embed_tokens.weight": mega["embedding.word_embeddings.weight"],
-        "model.norm.weight": mega["decoder.final_layernorm.weight"],
-        "lm_head.weight": mega[
-            "embedding.word_embeddings.weight" if shape.tied else "output_layer.weight"
-        ],
-    }
+    out = globals_to_hf(shape.tied, mega)
     for i in range(shape.layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for mega_name, name in _layer_pairs(shape, i):
