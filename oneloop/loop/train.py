@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,9 @@ class Run:
     state: LoopState
     logger: MetricsLogger
     kind: str
+    refused: dict[str, float] = field(default_factory=dict)
+    """Tasks refused at startup as task-configuration outcomes (`tasks/refused_task_config_*`),
+    in the step-0 line and the summary."""
 
 
 async def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, float]:
@@ -124,6 +127,7 @@ async def _run(run: Run, phases: dict[str, float]) -> dict[str, float]:
         if run.state.trainer_path:  # the warm start's checkpoint, now with the eval's figures
             append_checkpoint(cfg.run_dir, run.state)
     if run.state.step == 0:  # step 0, the model RL starts from (a resume at 0 logs it anew)
+        before.update({k: v for k, v in run.refused.items() if v})
         before.update(run.state.warm_start)
         before.update(run.state.eval_before)
         if before:
@@ -137,6 +141,7 @@ async def _run(run: Run, phases: dict[str, float]) -> dict[str, float]:
         summary.update(run.state.eval_before)
         lap("eval_after")
     summary.update({f"time/phase_{name}_s": seconds for name, seconds in phases.items()})
+    summary.update(run.refused)
     write_plots(cfg.run_dir)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return summary
@@ -168,10 +173,16 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
             "run other agents with `oneloop eval --agent`"
         )
     # Tasks the environment cannot run are refused here, one line each, never tried (issue 24).
-    train_tasks, eval_tasks = (
+    screened = [
         screen_tasks(t, rollout.environment_type, env_import, log.warning, "tasks.dir")
         for t in (train_tasks, eval_tasks)
-    )
+    ]
+    refused = {
+        f"tasks/refused_task_config_{split}": float(len(given) - len(kept))
+        for split, given, kept in zip(("train", "eval"), (train_tasks, eval_tasks), screened,
+                                      strict=True)  # fmt: skip
+    }
+    train_tasks, eval_tasks = screened
     previous = last_checkpoint(cfg.run_dir) if resume else None
     sft_data: list[Conversation] = []
     if cfg.sft is not None and not (previous is not None and previous.sft_done):
@@ -214,7 +225,7 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
     tokenizer_path = trainer.get_info().model_data.tokenizer_id or cfg.model.base_model
     return Run(
         cfg, service, trainer, tokenizer_path, sft_data, train_tasks, eval_tasks, state, logger,
-        kind,
+        kind, refused,
     )
 
 

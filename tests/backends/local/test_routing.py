@@ -9,6 +9,7 @@ from tinker import types
 
 from oneloop.backends.megatron_local.routing import PrefixRouter
 from oneloop.tiny.model import TINY_MODEL_NAME
+from tests.backends.local.test_local_backend import make_datum
 
 SYSTEM = np.arange(1000, 1300)  # a 300-token system prompt every task shares
 
@@ -118,16 +119,7 @@ def test_every_sampler_gets_each_version_and_serves_the_trainers_weights(two_sam
         sampled = client.sample(
             types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=12, seed=4)
         ).result(timeout=120)
-        data = [
-            types.Datum(
-                model_input=types.ModelInput.from_ints((prompt + s.tokens)[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": (prompt + s.tokens)[1:],
-                    "weights": [1.0] * (len(prompt) + len(s.tokens) - 1),
-                },
-            )
-            for s in sampled.sequences
-        ]
+        data = [make_datum(prompt + s.tokens) for s in sampled.sequences]
         out = trainer.forward(data, "cross_entropy").result()
         for seq, lp in zip(sampled.sequences, out.loss_fn_outputs, strict=True):
             trainer_lp = lp["logprobs"].to_numpy()[len(prompt) - 1 :]

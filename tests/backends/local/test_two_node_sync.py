@@ -54,6 +54,9 @@ def child(run_dir: str, model_dir: str) -> dict:
     """Two-node cluster → local backend on it → train one step → publish → sample on each engine."""
     import ray
     from ray.cluster_utils import Cluster
+    from test_local_backend import (
+        make_datum,  # this file runs as a script: its folder is on the path
+    )
     from tinker import types
 
     from oneloop.backends import BackendConfig, connect
@@ -97,16 +100,7 @@ def child(run_dir: str, model_dir: str) -> dict:
             sampled = client.sample(
                 types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=8, seed=4)
             ).result(timeout=300)
-            data = [
-                types.Datum(
-                    model_input=types.ModelInput.from_ints((prompt + s.tokens)[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": (prompt + s.tokens)[1:],
-                        "weights": [1.0] * (len(prompt) + len(s.tokens) - 1),
-                    },
-                )
-                for s in sampled.sequences
-            ]
+            data = [make_datum(prompt + s.tokens) for s in sampled.sequences]
             out = trainer.forward(data, "cross_entropy").result(timeout=300)
             gap = 0.0
             for seq, lp in zip(sampled.sequences, out.loss_fn_outputs, strict=True):

@@ -81,9 +81,9 @@ class TorchTrainerEngine(TrainerEngine):
         if lora.rank > 0:
             from peft import LoraConfig, get_peft_model
 
-            targets = (_ATTN_MODULES + _GDN_MODULES if lora.train_attn else []) + (
-                _MLP_MODULES if lora.train_mlp else []
-            )
+            names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+            attn = _ATTN_MODULES + [m for m in _GDN_MODULES if m in names]  # hybrids only
+            targets = (attn if lora.train_attn else []) + (_MLP_MODULES if lora.train_mlp else [])
             if lora.train_unembed:
                 targets.append("lm_head")
             if not targets:
