@@ -25,7 +25,7 @@ def ray_runtime():
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
-def _set(task: Path, table: str, line: str) -> None:
+def set_task_field(task: Path, table: str, line: str) -> None:
     """Add `line` to `[table]` of the task's task.toml (appended when there is no such table)."""
     toml = (task / "task.toml").read_text()
     head = f"[{table}]\n"
@@ -45,14 +45,14 @@ def make_tasks(root: Path) -> dict[str, Path]:
     (tasks["wrong_solution"] / "solution" / "solve.sh").write_text(
         "#!/bin/sh\necho 424242 > /logs/agent/answer.txt\n"
     )
-    _set(tasks["user"], "agent", 'user = "agent"')
-    _set(tasks["no_network"], "environment", 'network_mode = "no-network"')
+    set_task_field(tasks["user"], "agent", 'user = "agent"')
+    set_task_field(tasks["no_network"], "environment", 'network_mode = "no-network"')
     (tasks["dockerfile"] / "environment" / "Dockerfile").write_text(
         "FROM ubuntu:24.04\nLABEL a=b\nRUN apt-get update && \\\n  apt-get install -y curl\n"
         "WORKDIR /app\n"
     )
     shutil.rmtree(tasks["no_tests"] / "tests")
-    _set(tasks["steps"], "[steps]", 'name = "one"')  # no steps/one/instruction.md
+    set_task_field(tasks["steps"], "[steps]", 'name = "one"')  # no steps/one/instruction.md
     return tasks
 
 

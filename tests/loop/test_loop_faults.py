@@ -22,6 +22,7 @@ from oneloop.agents.demo_tasks.generator import Difficulty, Fault, generate_task
 from oneloop.agents.demo_tasks.server import CRASH_EXIT_CODE
 from oneloop.agents.environment import STDIO_EXIT_PREFIX
 from oneloop.loop.data import TaskSource
+from tests.agents.test_tasks_check import set_task_field
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,8 +92,14 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     seed = next(
         s for s in range(1000) if (o := first_epoch(s))[0] == crashed and faults <= set(o[:5])
     )
+    # A task whose agent must run as a non-root user, which the container-free environment
+    # cannot honour: refused at startup with one line, counted, never tried (issue 24). Added
+    # after the data order above was chosen: the loop drops it before its TaskSource.
+    refused = tasks / "train" / "runs-as-agent-user"
+    shutil.copytree(good.train[0].path, refused)
+    set_task_field(refused, "agent", 'user = "agent"')
     run_dir = tmp_path / "run"
-    train_script.run(
+    done = train_script.run(
         run_dir,
         tmp_path / "backend",
         f"tasks.dir={tasks}",
@@ -117,6 +124,11 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
             if key.startswith("rollout/"):
                 totals[key] = totals.get(key, 0.0) + value
     assert [x["step"] for x in lines if "train/loss" in x] == [1, 2, 3]
+    assert done.stderr.count("task_config:") == 1 and "runs-as-agent-user" in done.stderr
+    assert [x["tasks/refused_task_config_train"] for x in lines if x["step"] == 0] == [1.0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tasks/refused_task_config_train"] == 1.0
+    assert not list((run_dir / "trials").glob("runs-as-agent-user*"))  # never tried
     assert totals.get("rollout/outcome_agent_timeout", 0) >= 1, totals  # the hung MCP server
     # The mid-trial crash is counted in its own class: 3 groups (the task is dropped after its
     # third) of 2 trials...
