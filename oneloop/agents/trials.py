@@ -128,10 +128,17 @@ class TrajectoryResult:
 
     @property
     def trajectories(self) -> tuple[Mapping[str, Any], ...]:
-        """Every trajectory of this trial: the steps' (multi-step) or the one (single-step)."""
+        """Every trajectory of this trial: the steps' (multi-step), or the one (single-step)
+        after the segments a gateway session closed before it (an agent that rewrote its
+        history: each segment is its own exact TITO trajectory)."""
         if self.step_trajectories:
             return self.step_trajectories
-        return (self.trajectory,) if self.trajectory is not None else ()
+        if self.trajectory is None:
+            return ()
+        from oneloop.agents.gateway.trial import METADATA_GATEWAY
+
+        gateway = (self.agent_stats or {}).get(METADATA_GATEWAY) or {}
+        return (*gateway.get("earlier_segments", ()), self.trajectory)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@
   used as the mask for the logprob check and then dropped.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,34 @@ class ScoredGroup:
     version: int
     trajectories: tuple[Trajectory, ...]
     rewards: tuple[float, ...]
+    """One per trajectory: its trial's reward."""
+    trials: tuple[int, ...] = ()
+    """The trial each trajectory came from (a multi-step task's steps, a gateway session's
+    segments); empty: one trial per trajectory. Advantages are group-relative over trials, so
+    a trial of several trajectories counts once in the group's mean and spread."""
+
+    @classmethod
+    def of_trials(
+        cls, sample_id: str, task: str, version: int,
+        trials: Sequence[tuple[Sequence[Trajectory], float]],
+    ) -> "ScoredGroup":  # fmt: skip
+        """A group from its trials: each trial's trajectories, trained with its reward."""
+        return cls(
+            sample_id, task, version,
+            tuple(t for trajectories, _ in trials for t in trajectories),
+            tuple(reward for trajectories, reward in trials for _ in trajectories),
+            tuple(i for i, (trajectories, _) in enumerate(trials) for _ in trajectories),
+        )  # fmt: skip
+
+    def advantages(self, std_normalize: bool) -> np.ndarray:
+        """Each trajectory's advantage: its trial's reward against the group's trials."""
+        if not self.trials:
+            return group_advantages(list(self.rewards), std_normalize)
+        per_trial = dict(zip(self.trials, self.rewards, strict=True))  # one reward per trial
+        order = sorted(per_trial)
+        values = dict(zip(order, group_advantages([per_trial[t] for t in order], std_normalize),
+                          strict=True))  # fmt: skip
+        return np.asarray([values[t] for t in self.trials], dtype=np.float64)
 
 
 def group_advantages(rewards: list[float], std_normalize: bool) -> np.ndarray:
@@ -51,7 +80,7 @@ def build_datums(
     total_tokens = sum(t.num_sampled_tokens for g in groups for t in g.trajectories)
     datums, masks = [], []
     for group in groups:
-        advantages = group_advantages(list(group.rewards), std_normalize)
+        advantages = group.advantages(std_normalize)
         group_tokens = sum(t.num_sampled_tokens for t in group.trajectories)
         for trajectory, advantage in zip(group.trajectories, advantages, strict=True):
             scale = 1.0

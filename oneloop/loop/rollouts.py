@@ -313,11 +313,12 @@ class RolloutPool:
         stats.counts["trajectories_masked"] += len(result.results) - len(kept)
         rewards = [float(r.reward or 0.0) for r in kept]
         stats.rewards.extend(rewards)
-        # A multi-step trial is one trajectory per step (agents/trial_steps.py), each trained
-        # with the trial's reward. The trials of one task run the same steps, so repeating a
-        # reward per step leaves the group's mean and spread as they are per trial.
-        trajectories = tuple(Trajectory.from_json(t) for r in kept for t in r.trajectories)
-        step_rewards = tuple(float(r.reward or 0.0) for r in kept for _ in r.trajectories)
+        # A trial may hold several trajectories (a multi-step task's steps, agents/trial_steps.py;
+        # a gateway session's segments after a history rewrite): each trains with its trial's
+        # reward, and advantages count each trial once (ScoredGroup.trials).
+        trials = [([Trajectory.from_json(t) for t in r.trajectories], float(r.reward or 0.0))
+                  for r in kept]  # fmt: skip
+        group = ScoredGroup.of_trials(item.sample_id, result.task, version, trials)
         if len(kept) < 2 or (self.filter_zero_variance and not has_variance(rewards)):
             stats.counts["groups_zero_variance"] += 1
             self.totals["zero_variance"] += 1
@@ -327,11 +328,9 @@ class RolloutPool:
             return
         self.totals["accepted"] += 1
         self.zero_variance_in_a_row = 0
-        stats.sampled_tokens += sum(t.num_sampled_tokens for t in trajectories)
+        stats.sampled_tokens += sum(t.num_sampled_tokens for t in group.trajectories)
         self.gate.finish(accepted=True, version=version)
-        self.ready.put_nowait(
-            ScoredGroup(item.sample_id, result.task, version, trajectories, step_rewards)
-        )
+        self.ready.put_nowait(group)
 
 
 def describe(progress: WaitProgress) -> str:

@@ -224,3 +224,41 @@ def test_n_choices_continue_from_the_echoed_one_and_stop_strings_cut_exactly(gat
     assert 1 <= len(kept) and whole.choices[0].token_ids[: len(kept)] == kept
     [data] = segments(gateway, "stop-b")["segments"]
     assert list(Trajectory.from_json(data).sampled_segments[0].tokens) == cut.choices[0].token_ids
+
+
+def test_a_rewritten_history_trains_every_segment_once_per_trial(gateway):
+    """Regression: after an agent rewrote its history only the session's last segment trained
+    (the earlier ones were kept in the record, counted, and dropped). Every segment trains now,
+    with its trial's reward, and the group's advantages count each trial once."""
+    from oneloop.agents.gateway.trial import METADATA_GATEWAY
+    from oneloop.agents.trials import TrajectoryResult, TrialOutcome, TrialTimings
+    from oneloop.loop.advantages import ScoredGroup, build_datums
+
+    def trial(session: str, rewrite: bool, reward: float) -> TrajectoryResult:
+        oa = client_for(gateway, session)
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        oa.chat.completions.create(model="oneloop", messages=messages, max_tokens=6)
+        if rewrite:
+            edited = [messages[0], {"role": "user", "content": "summary: said hi"}]
+            oa.chat.completions.create(model="oneloop", messages=edited, max_tokens=6)
+        *earlier, last = segments(gateway, session)["segments"]
+        return TrajectoryResult(
+            outcome=TrialOutcome.OK, reward=reward, trajectory=last, timings=TrialTimings(),
+            error=None, attempts=1, trial_name=session,
+            agent_stats={METADATA_GATEWAY: {"earlier_segments": earlier}},
+        )  # fmt: skip
+
+    results = [trial("rewrote", True, 1.0), trial("plain", False, 0.0)]
+    assert [len(r.trajectories) for r in results] == [2, 1]
+    group = ScoredGroup.of_trials("0:0", "task", 0, [
+        ([Trajectory.from_json(t) for t in r.trajectories], float(r.reward or 0.0))
+        for r in results
+    ])  # fmt: skip
+    # Trial mean 0.5: +0.5 for both segments of the rewarded trial, -0.5 for the other (a mean
+    # over trajectories would give 2/3 and let the rewriting trial count twice).
+    assert group.advantages(std_normalize=False).tolist() == [0.5, 0.5, -0.5]
+    datums, masks = build_datums([group], "token_sum", std_normalize=False)  # hash-checked
+    assert len(datums) == 3
+    for datum, mask, expected in zip(datums, masks, [0.5, 0.5, -0.5], strict=True):
+        advantages = datum.loss_fn_inputs["advantages"].to_numpy()
+        assert mask.any() and set(advantages[mask].tolist()) == {expected}
