@@ -1,6 +1,7 @@
 """The demo task family: generator, shipped MCP server (real stdio sessions), Harbor verifier."""
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -24,7 +25,11 @@ from oneloop.agents.demo_tasks.demonstrations import (
     demonstration,
     mistaken_questions,
 )
-from oneloop.agents.demo_tasks.server import CRASH_EXIT_CODE, HUGE_RESULT_CHARS
+from oneloop.agents.demo_tasks.server import (
+    CRASH_EXIT_CODE,
+    HUGE_RESULT_CHARS,
+    ExitAfterToolReplies,
+)
 from oneloop.agents.environment import (
     NO_CONTAINER_IMPORT_PATH,
     STDIO_EXIT_PREFIX,
@@ -156,10 +161,10 @@ def test_mcp_server_fault_knobs(tmp_path: Path) -> None:
             (record,) = env.trial_paths.agent_dir.glob(f"{STDIO_EXIT_PREFIX}*.txt")
             assert record.read_text().startswith(f"{CRASH_EXIT_CODE} ")
             record.unlink()
-            # Replies 1 and 2 are initialize and tools/list, 3 answers the first tool call; then
-            # the process is gone and the next call gets no answer.
+            # Tool reply 1 lists the tools, 2 answers the first call (the handshake is not
+            # counted); then the process is gone and the next call gets no answer.
             with pytest.raises(ExceptionGroup) as crashed:
-                async with calculator_session(env, "--exit-after-replies", "3") as session:
+                async with calculator_session(env, "--exit-after-tool-replies", "2") as session:
                     assert len((await session.list_tools()).tools) == 5
                     assert _text(await session.call_tool("add", {"a": "1", "b": "2"})) == "3"
                     await session.call_tool("add", {"a": "2", "b": "2"})
@@ -172,6 +177,39 @@ def test_mcp_server_fault_knobs(tmp_path: Path) -> None:
             await env.stop(delete=True)
 
     asyncio.run(scenario())
+
+
+def test_the_injected_crash_does_not_count_the_handshake(monkeypatch) -> None:
+    """Whatever the client negotiates (a `server/discover` probe, the `initialize` fallback, a
+    -32022 answer to an initialize sent after a probe that timed out under load), the server dies
+    right after the N-th tools reply, so a trial's crash lands at the same point every time."""
+
+    class Crashed(Exception):
+        pass
+
+    def crash(code: int) -> None:
+        raise Crashed(code)
+
+    monkeypatch.setattr(os, "_exit", crash)
+    sink = io.BytesIO()
+    out = ExitAfterToolReplies(sink, 2)
+    handshake = [
+        {"jsonrpc": "2.0", "id": 0, "result": {"supportedVersions": ["2026-07-28"]}},
+        {"jsonrpc": "2.0", "id": 1, "error": {"code": -32022, "message": "unsupported"}},
+        {"jsonrpc": "2.0", "id": 2, "result": {"protocolVersion": "2025-06-18", "capabilities": {}}},
+        {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "x"}},
+    ]
+    listed = {"jsonrpc": "2.0", "id": 3, "result": {"tools": []}}
+    called = {"jsonrpc": "2.0", "id": 4, "result": {"content": [], "isError": False}}
+    for message in (*handshake, listed):
+        out.write(json.dumps(message).encode() + b"\n")
+        out.flush()
+    assert out.replies == 1
+    out.write(json.dumps(called).encode() + b"\n")
+    with pytest.raises(Crashed) as crashed:
+        out.flush()
+    assert crashed.value.args == (CRASH_EXIT_CODE,)
+    assert sink.getvalue().count(b"\n") == 6  # the last reply was written out before the exit
 
 
 def test_mcp_server_refuses_to_run_outside_an_environment(tmp_path: Path) -> None:

@@ -70,9 +70,9 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     mcp = generate_tasks(tmp_path / "mcp", 2, 0, 3, difficulties=(Difficulty.EASY,))
     crashed = tasks / "train" / "mcp-server-crash"
     shutil.copytree(mcp.train[0].path, crashed)
-    # The real calculator server answers the agent's connect (initialize, tools/list: replies 1
-    # and 2), then dies while the agent works (the untrained policy calls no tool).
-    with_server_flags(crashed, "--exit-after-replies", "2")
+    # The real calculator server answers the agent's connect (handshake and tools/list), then
+    # dies while the agent works (the untrained policy calls no tool).
+    with_server_flags(crashed, "--exit-after-tool-replies", "1")
     hung = tasks / "train" / "mcp-server-hang"
     shutil.copytree(mcp.train[1].path, hung)
     with_mcp_server(hung, "import time; time.sleep(3600)", agent_timeout_sec=5.0)

@@ -109,7 +109,7 @@ def _server_args(fault: Fault) -> list[str]:
     extra = {
         Fault.TOOL_HANG: ["--hang-tool", "add"],
         Fault.TOOL_HUGE: ["--huge-tool", "add"],
-        Fault.SERVER_CRASH: ["--exit-after-replies", "3"],  # initialize, tools/list, one call
+        Fault.SERVER_CRASH: ["--exit-after-tool-replies", "2"],  # tools/list, one call
     }.get(fault, [])
     return ["-m", SERVER_MODULE, "--answer-path", ANSWER_ENV_PATH, *extra]
 

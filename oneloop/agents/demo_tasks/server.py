@@ -10,10 +10,12 @@ mount namespace where `/logs/agent` is that trial's own directory. Started anywh
 
 Fault-injection flags for tests: `--hang-tool NAME` (that tool never returns), `--huge-tool NAME`
 (that tool returns `HUGE_RESULT_CHARS` characters), `--crash-after N` (the process exits with
-status 3 on the N-th tool call, before answering it), `--exit-after-replies N` (the process exits
-with status 3 right after its N-th JSON-RPC reply is written out: a crash mid-trial once the client
-holds that answer; `initialize` and `tools/list` are replies 1 and 2, so N = 3 answers the first
-tool call and then dies).
+status 3 on the N-th tool call, before answering it), `--exit-after-tool-replies N` (the process
+exits with status 3 right after its N-th reply to `tools/list` or `tools/call` is written out: a
+crash mid-trial once the client holds that answer; N = 1 dies right after listing its tools, N = 2
+answers the first tool call and then dies). The connect handshake is not counted: a client may
+probe `server/discover`, fall back to `initialize`, or re-probe after a probe timed out under load
+(mcp 2.3's `auto` mode), so counting every reply would crash at a different point per client.
 """
 
 from __future__ import annotations
@@ -139,11 +141,12 @@ def _tool(fn: Any, description: str, schema: dict[str, Any]) -> Tool:
     return tool.model_copy(update={"parameters": schema})
 
 
-class ExitAfterReplies(io.BufferedIOBase):
-    """Standard output for `--exit-after-replies`: bytes pass through to `out`; once the `limit`-th
-    JSON-RPC reply (a message with an `id` and a `result` or `error`) has been flushed, the
-    process exits with `CRASH_EXIT_CODE`: the client already holds that reply, the next gets none.
-    The MCP stdio transport writes one message per line and flushes after each."""
+class ExitAfterToolReplies(io.BufferedIOBase):
+    """Standard output for `--exit-after-tool-replies`: bytes pass through to `out`; once the
+    `limit`-th reply to `tools/list` or `tools/call` (a JSON-RPC message with an `id` whose result
+    holds `tools` or `content`) has been flushed, the process exits with `CRASH_EXIT_CODE`: the
+    client already holds that reply, the next request gets none. The MCP stdio transport writes
+    one message per line and flushes after each."""
 
     def __init__(self, out: io.BufferedIOBase, limit: int) -> None:
         super().__init__()
@@ -167,8 +170,9 @@ class ExitAfterReplies(io.BufferedIOBase):
                 message = json.loads(line)
             except ValueError:
                 continue  # not a protocol message (stray output)
-            if isinstance(message, dict) and "id" in message:
-                self.replies += bool(message.keys() & {"result", "error"})
+            result = message.get("result") if isinstance(message, dict) else None
+            if isinstance(result, dict) and "id" in message:
+                self.replies += bool(result.keys() & {"tools", "content"})
         if self.replies >= self._limit:
             sys.stderr.write(f"calculator server: injected crash after reply {self.replies}\n")
             sys.stderr.flush()
@@ -181,9 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hang-tool", choices=TOOL_NAMES)
     parser.add_argument("--huge-tool", choices=TOOL_NAMES)
     parser.add_argument("--crash-after", type=int)
-    parser.add_argument("--exit-after-replies", type=int)
+    parser.add_argument("--exit-after-tool-replies", type=int)
     args = parser.parse_args(argv)
-    for flag in ("crash_after", "exit_after_replies"):
+    for flag in ("crash_after", "exit_after_tool_replies"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -193,9 +197,10 @@ def main(argv: list[str] | None = None) -> None:
             f"calculator server: {answer_path.parent} does not exist; start the server inside "
             "the trial's environment (e.g. through NoContainerEnvironment.stdio_command)"
         )
-    if args.exit_after_replies is not None:
+    if args.exit_after_tool_replies is not None:
         # Not backed by fd 1, so the MCP stdio transport writes through this object in place.
-        sys.stdout = io.TextIOWrapper(ExitAfterReplies(sys.stdout.buffer, args.exit_after_replies))
+        out = ExitAfterToolReplies(sys.stdout.buffer, args.exit_after_tool_replies)
+        sys.stdout = io.TextIOWrapper(out)
     build_server(answer_path, args.hang_tool, args.huge_tool, args.crash_after).run("stdio")
 
 
