@@ -18,16 +18,25 @@ Slow starts. Ray waits a fixed 30 s for a fresh raylet to register with its GCS
 an overloaded host (measured: a 2-core machine at load 20+) that is a slow start, not a broken
 install; the half-started processes are shut down and Ray is started again, at most `attempts`
 times. Any other error, and the last attempt's, is raised as Ray raised it.
+
+Unreachable clusters. Joining a cluster (`address="host:port"`, or `auto` with a recorded one)
+that nothing answers makes `ray.init` retry its GCS connection without end (measured with Ray
+2.x: still retrying after 200 s). So the GCS port is dialled first, with a bound
+(`connect_timeout_s`): a refused or silent address raises ConfigError naming it at once. A port
+that accepts but is not a GCS still leaves Ray to its own retries.
 """
 
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import ray
+
+from oneloop.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +64,47 @@ def starts_local_runtime(kwargs: dict[str, Any]) -> bool:
     return kwargs.get("address") is None and not os.environ.get("RAY_ADDRESS")
 
 
-def init_ray(attempts: int = 3, **kwargs: Any) -> None:
+def gcs_address(address: str | None) -> tuple[str, int] | None:
+    """Host and port of the GCS that `ray.init(address=address)` joins (`RAY_ADDRESS` and `auto`
+    resolved as Ray resolves them); None when it starts a runtime, joins through the Ray client
+    (`ray://`), or finds no recorded cluster (then `ray.init` says so at once)."""
+    if address is not None and (address == "local" or address.startswith("ray://")):
+        return None
+    from ray._private import services  # pinned with Ray in uv.lock
+
+    try:
+        resolved = services.canonicalize_bootstrap_address(address)
+    except Exception:  # nothing to resolve "auto" to: ray.init raises its own ConnectionError
+        return None
+    if resolved is None or resolved.startswith("ray://"):
+        return None
+    host, _, port = resolved.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str | None, timeout_s: float) -> None:
+    """Raise ConfigError unless the GCS that `address` names accepts a connection in `timeout_s`."""
+    target = gcs_address(address)
+    if target is None:
+        return
+    try:
+        socket.create_connection(target, timeout=timeout_s).close()
+    except OSError as error:
+        where = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "backend.local.ray_address"
+        raise ConfigError(
+            f"no Ray cluster answers at {target[0]}:{target[1]} ({where}={address!r}, waited "
+            f"{timeout_s:g} s: {error or type(error).__name__}); start the cluster "
+            "(scripts/cluster/head.sh on the head node) or fix the address"
+        ) from None
+
+
+def init_ray(attempts: int = 3, connect_timeout_s: float = 20.0, **kwargs: Any) -> None:
     """`ray.init(**kwargs)` unless Ray is already up; see the module docstring."""
     if ray.is_initialized():
         return
     local = starts_local_runtime(kwargs)
+    if not local:
+        check_reachable(kwargs.get("address"), connect_timeout_s)
     for attempt in range(1, attempts + 1):
         try:
             with _loopback_node() if local else contextlib.nullcontext():

@@ -178,3 +178,20 @@ def test_cluster_launch_scripts_parse():
     )  # fmt: skip
     assert "alive nodes to wait for" in usage.stdout
     assert "backend.local.ray_address=auto" in (scripts / "train.sbatch").read_text()
+
+
+def test_an_unreachable_cluster_address_is_refused_at_once():
+    """`ray.init` retries a silent GCS without end; `--plan` and the backend dial it first and name
+    the address instead of hanging (no Ray runtime is started or joined)."""
+    import ray
+
+    from oneloop.backends.ray_runtime import init_ray
+    from oneloop.backends.megatron_local.ports import free_port
+
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = load_config("demo-cpu", [f"backend.local.ray_address={closed}"])
+    with pytest.raises(ConfigError, match=f"no Ray cluster answers at .*ray_address='{closed}'"):
+        plan(cfg.backend)
+    with pytest.raises(ConfigError, match=r"no Ray cluster answers at 192\.0\.2\.1:6379 .*0\.5 s"):
+        init_ray(address="192.0.2.1:6379", connect_timeout_s=0.5)  # TEST-NET-1: nothing answers
+    assert not ray.is_initialized()
