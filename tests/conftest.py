@@ -17,6 +17,9 @@ def tiny_model_path(tmp_path_factory):
     return build_tiny_model()
 
 
+_SHARED_SERVICES: list = []  # the session's local_service once made
+
+
 @pytest.fixture(scope="session")
 def local_service(tmp_path_factory, tiny_model_path):
     """A local-backend ServiceClient on a real local Ray runtime (torch engines, CPU)."""
@@ -30,8 +33,30 @@ def local_service(tmp_path_factory, tiny_model_path):
             local={"torch_threads": 1, "max_snapshots": 2},
         )
     )
+    _SHARED_SERVICES.append(service)
     yield service
+    _SHARED_SERVICES.remove(service)
     service.close()
+
+
+def _release_trainers_started_meanwhile():
+    """Around a test or a module: stop the shared service's trainer actors started inside it
+    (each holds ~0.8 GB and polls a core; the session's suite made dozens that lived to its end)."""
+    before = {run for s in _SHARED_SERVICES for run in s.live_training_runs}
+    yield
+    for service in _SHARED_SERVICES:
+        for run in set(service.live_training_runs) - before:
+            service.release_training_client(run)
+
+
+@pytest.fixture(autouse=True)
+def _trainers_of_the_test():
+    yield from _release_trainers_started_meanwhile()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _trainers_of_the_module():
+    yield from _release_trainers_started_meanwhile()
 
 
 class TrainScript:

@@ -167,6 +167,11 @@ class LocalServiceClient:
         """Trainer actors started by this client and not yet released."""
         return len(self._trainers)
 
+    @property
+    def live_training_runs(self) -> tuple[str, ...]:
+        """Run ids of the live trainer actors (each can be `release_training_client`ed)."""
+        return tuple(self._trainers)
+
     def release_training_client(self, run_id: str) -> bool:
         """Stop the trainer actor of training run `run_id` (a local-backend extension: `oneloop
         serve` calls it when a session ends, a model is unloaded or sits idle). Its checkpoints

@@ -133,7 +133,6 @@ def _data(loss: str):
 
 def _run(tp: int, cp: int, fused_rope: bool, step: bool, work: Path) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
-    from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
 
     model = cm.tiny_qwen3(work / "model")
     parallel = MegatronParallel(tp=tp, cp=cp, use_distributed_optimizer=False)
@@ -142,7 +141,7 @@ def _run(tp: int, cp: int, fused_rope: bool, step: bool, work: Path) -> None:
         device="cpu",
         parallel=parallel,
         max_tokens_per_microbatch=BUDGET,
-        speed=MegatronSpeed(fused_rope=fused_rope),
+        speed=cm.check_speed(fused_rope=fused_rope),
     )
     engine, call = cm.make_engine(model, LoraSpec(0), group=tp * cp > 1, **kwargs)
     out: dict = {"lengths": list(LENGTHS)}

@@ -187,10 +187,22 @@ def phase_setup() -> Callable[[], None]:
     return functools.partial(import_phase, Path(sys.modules["__main__"].__file__).stem)
 
 
+def check_speed(**switches: Any) -> Any:
+    """The engine's speed switches for a check (`switches` override): the defaults but for the
+    two that compile with Inductor (`swiglu_fusion`, `compile_logprobs`). On CPU that compile
+    costs ~30 s per process and rank on CI's two cores, for kernels the checks do not compare:
+    test_fused_logprobs checks the compiled logprob kernels against eager, and the TP check
+    (tp_gloo_phases.py) runs the engine's full defaults on gloo ranks."""
+    from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
+
+    return MegatronSpeed(**{"swiglu_fusion": False, "compile_logprobs": False, **switches})
+
+
 def make_engine(model: Path, spec, *, group: bool, **kwargs) -> tuple[Any, Callable[..., Any]]:
     """The one-process engine, or (`group`) `megatron.group`'s Ray actors with ranks on gloo (a
     local Ray runtime started here); and `call`, which runs an engine method by name on every
-    rank (`call("_dump_grads", path)`)."""
+    rank (`call("_dump_grads", path)`). Speed switches: `check_speed()` unless given."""
+    kwargs.setdefault("speed", check_speed())
     if not group:
         from oneloop.backends.megatron_local.engines.megatron.trainer import (
             MegatronTrainerEngine,

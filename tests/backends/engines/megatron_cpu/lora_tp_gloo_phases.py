@@ -161,7 +161,9 @@ def _probe_tp1(work: Path, tp: int, tied: bool) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
 
     model = cm.tiny_qwen3(work / "model", tied=tied)
-    engine = MegatronTrainerEngine(model, LoraSpec(RANK, seed=3), dtype="float32", device="cpu")
+    engine = MegatronTrainerEngine(
+        model, LoraSpec(RANK, seed=3), dtype="float32", device="cpu", speed=cm.check_speed()
+    )
     out: dict[str, np.ndarray] = {}
     try:
         engine.load_state(work / f"ckpt{tp}", with_optimizer=True)

@@ -111,7 +111,12 @@ def _run(work: Path) -> None:
     def engine(offload: bool) -> MegatronTrainerEngine:
         parallel = MegatronParallel(optimizer_cpu_offload=offload)
         return MegatronTrainerEngine(
-            model, LoraSpec(0), dtype="bfloat16", device="cpu", parallel=parallel
+            model,
+            LoraSpec(0),
+            dtype="bfloat16",
+            device="cpu",
+            parallel=parallel,
+            speed=cm.check_speed(),
         )
 
     def step(e: MegatronTrainerEngine, adam: dict) -> tuple[float, float]:

@@ -30,6 +30,7 @@ from oneloop.backends.megatron_local.engines.megatron.parallel.shard import (
     gather,
     tp_kind,
 )
+from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
 from oneloop.backends.megatron_local.engines.megatron.trainer import (
     MegatronParallel,
     MegatronTrainerEngine,
@@ -66,8 +67,14 @@ def _run(tp: int, work: Path) -> None:
     model = cm.tiny_qwen3(work / "model")
     data = cm.random_data(np.random.default_rng(0), (20, 13, 7), cm.ones)
     parallel = MegatronParallel(tp=tp)
-    engine, call = cm.make_engine(
-        model, LoraSpec(0), group=tp > 1, dtype="float32", device="cpu", parallel=parallel
+    engine, call = cm.make_engine(  # the engine's full default speed switches (check_speed)
+        model,
+        LoraSpec(0),
+        group=tp > 1,
+        dtype="float32",
+        device="cpu",
+        parallel=parallel,
+        speed=MegatronSpeed(),
     )
     result = engine.forward_backward(data, "cross_entropy", None, forward_only=False)
     call("_dump_grads", str(work / f"grads{tp}.npz"))
