@@ -2,6 +2,8 @@
 16-node layouts on a described cluster (test data, no cluster), refusals that name what is short,
 and the planner's trainer bundles agreeing with the rank group's own rule (`group.rank_bundles`)."""
 
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +22,8 @@ from oneloop.errors import ConfigError
 from oneloop.loop.cli import main as train_main
 from oneloop.loop.config import load_config
 
-CLUSTERS = Path(__file__).resolve().parents[2] / "fixtures" / "clusters"
+ROOT = Path(__file__).resolve().parents[3]
+CLUSTERS = ROOT / "tests" / "fixtures" / "clusters"
 CLUSTER_16 = CLUSTERS / "h200-16x8.yaml"
 LAYOUTS = yaml.safe_load((CLUSTERS / "layouts-16-nodes.yaml").read_text())
 
@@ -182,16 +185,20 @@ def test_cluster_launch_scripts_parse():
 
 def test_an_unreachable_cluster_address_is_refused_at_once():
     """`ray.init` retries a silent GCS without end; `--plan` and the backend dial it first and name
-    the address instead of hanging (no Ray runtime is started or joined)."""
-    import ray
-
-    from oneloop.backends.ray_runtime import init_ray
+    the address instead of hanging. `--plan` runs in a process of its own (this one may already
+    be on a Ray runtime, which `init_ray` then keeps)."""
     from oneloop.backends.megatron_local.ports import free_port
+    from oneloop.backends.ray_runtime import check_reachable
 
     closed = f"127.0.0.1:{free_port()}"  # nothing listens there
-    cfg = load_config("demo-cpu", [f"backend.local.ray_address={closed}"])
-    with pytest.raises(ConfigError, match=f"no Ray cluster answers at .*ray_address='{closed}'"):
-        plan(cfg.backend)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "demo-cpu", "--plan",
+         f"backend.local.ray_address={closed}"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "no Ray cluster answers at" in done.stderr, done.stderr[-3000:]
+    assert f"backend.local.ray_address='{closed}'" in done.stderr
+    assert "Traceback" not in done.stderr
     with pytest.raises(ConfigError, match=r"no Ray cluster answers at 192\.0\.2\.1:6379 .*0\.5 s"):
-        init_ray(address="192.0.2.1:6379", connect_timeout_s=0.5)  # TEST-NET-1: nothing answers
-    assert not ray.is_initialized()
+        check_reachable("192.0.2.1:6379", timeout_s=0.5)  # TEST-NET-1: nothing answers
