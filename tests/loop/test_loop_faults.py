@@ -92,12 +92,15 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     seed = next(
         s for s in range(1000) if (o := first_epoch(s))[0] == crashed and faults <= set(o[:5])
     )
-    # A task whose agent must run as a non-root user, which the container-free environment
-    # cannot honour: refused at startup with one line, counted, never tried (issue 24). Added
-    # after the data order above was chosen: the loop drops it before its TaskSource.
-    refused = tasks / "train" / "runs-as-agent-user"
-    shutil.copytree(good.train[0].path, refused)
-    set_task_field(refused, "agent", 'user = "agent"')
+    # Tasks the container-free environment cannot honour, an agent that must run as a non-root
+    # user and an environment without network: refused at startup with one line each, counted,
+    # never tried (issue 24). Added after the data order above was chosen: the loop drops them
+    # before its TaskSource.
+    refused = {"runs-as-agent-user": ("agent", 'user = "agent"'),
+               "without-network": ("environment", 'network_mode = "no-network"')}  # fmt: skip
+    for name, (table, field) in refused.items():
+        shutil.copytree(good.train[0].path, tasks / "train" / name)
+        set_task_field(tasks / "train" / name, table, field)
     run_dir = tmp_path / "run"
     done = train_script.run(
         run_dir,
@@ -124,11 +127,13 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
             if key.startswith("rollout/"):
                 totals[key] = totals.get(key, 0.0) + value
     assert [x["step"] for x in lines if "train/loss" in x] == [1, 2, 3]
-    assert done.stderr.count("task_config:") == 1 and "runs-as-agent-user" in done.stderr
-    assert [x["tasks/refused_task_config_train"] for x in lines if x["step"] == 0] == [1.0]
+    assert done.stderr.count("task_config:") == 2
+    assert all(name in done.stderr for name in refused), done.stderr[-3000:]
+    assert [x["tasks/refused_task_config_train"] for x in lines if x["step"] == 0] == [2.0]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["tasks/refused_task_config_train"] == 1.0
-    assert not list((run_dir / "trials").glob("runs-as-agent-user*"))  # never tried
+    assert summary["tasks/refused_task_config_train"] == 2.0
+    for name in refused:
+        assert not list((run_dir / "trials").glob(f"{name}*"))  # never tried
     assert totals.get("rollout/outcome_agent_timeout", 0) >= 1, totals  # the hung MCP server
     # The mid-trial crash is counted in its own class: 3 groups (the task is dropped after its
     # third) of 2 trials...
