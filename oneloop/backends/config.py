@@ -70,7 +70,14 @@ class MegatronSettings(_Strict):
     """Context-parallel size: each sequence split over cp ranks (Megatron's 2·cp-chunk layout, K/V
     all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA."""
     ep: int = Field(default=1, ge=1)
-    """Expert-parallel size (this release: 1; waits for MoE models in the megatron engine)."""
+    """Expert-parallel size (MoE models): each MoE layer's experts split over ep ranks carved out
+    of the data-parallel ranks (ep divides dp; tp = pp = cp = 1 for MoE here), tokens dispatched
+    all-to-all."""
+    moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
+    """MoE load-balancing aux loss coefficient (0 = off, the RL default: it would pull the policy
+    away from the sampler's routing)."""
+    moe_z_loss_coeff: float = Field(default=0.0, ge=0.0)
+    """MoE router z-loss coefficient (0 = off)."""
     dp: int | None = Field(default=None, ge=1)
     """Data-parallel size: replicas of the tp × pp × cp model, each call's datums split over them
     by token count, gradients summed by Megatron's DDP, the distributed optimizer sharded over them

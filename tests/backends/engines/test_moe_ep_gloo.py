@@ -27,9 +27,10 @@ def _tokens() -> np.ndarray:
 def rank_main(model_dir: Path, ep: int, rank: int, port: int, out: Path) -> None:
     """One EP rank: build the MoE GPTModel, import the weights, forward + backward, save."""
     sys.path.insert(0, str(HERE / "megatron_cpu"))
-    from cpu_megatron import cuda_calls_on_cpu
+    from cpu_megatron import cuda_calls_on_cpu, gloo_all_to_all
 
     cuda_calls_on_cpu(allocations=True)
+    gloo_all_to_all()
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -48,15 +49,6 @@ def rank_main(model_dir: Path, ep: int, rank: int, port: int, out: Path) -> None
     from oneloop.backends.megatron_local.engines.megatron.speed import sdpa_core_attention
 
     torch.set_num_threads(1)
-    all_to_all = torch.distributed.all_to_all_single
-
-    def gloo_all_to_all(output, input_, output_split_sizes=None, input_split_sizes=None, **kw):
-        # megatron's dispatcher hands split sizes as CPU tensors; gloo's binding takes lists
-        sizes = [s.tolist() if isinstance(s, torch.Tensor) else s
-                 for s in (output_split_sizes, input_split_sizes)]  # fmt: skip
-        return all_to_all(output, input_, *sizes, **kw)
-
-    torch.distributed.all_to_all_single = gloo_all_to_all
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=ep, rank=rank
     )

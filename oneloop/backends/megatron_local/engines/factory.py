@@ -48,10 +48,14 @@ def make_trainer_engine(
         )
     except ImportError as error:
         raise missing_gpu_extra("trainer_engine", local.trainer_engine, error) from error
+    from oneloop.backends.megatron_local.engines.megatron.moe import MoeSettings
     from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
 
     parallel = megatron_parallel(local)
     common["speed"] = MegatronSpeed(**m.speed.model_dump())
+    common["moe"] = MoeSettings(
+        aux_loss_coeff=m.moe_aux_loss_coeff, z_loss_coeff=m.moe_z_loss_coeff
+    )
     if group_size(m.tp, m.pp, m.cp, dp) > 1:  # one Ray actor per rank, in a placement group
         from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
 
@@ -74,7 +78,9 @@ def megatron_parallel(local: LocalBackendConfig):
 
     m = local.megatron
     dp = resolve_dp(m.dp, local.gpus_per_trainer, m.tp, m.pp, m.cp)
-    return MegatronParallel(**m.model_dump(exclude={"speed", "placement_strategy", "dp"}), dp=dp)
+    moe = {"moe_aux_loss_coeff", "moe_z_loss_coeff"}
+    exclude = {"speed", "placement_strategy", "dp", *moe}
+    return MegatronParallel(**m.model_dump(exclude=exclude), dp=dp)
 
 
 def trainer_actor_gpus(local: LocalBackendConfig) -> float:

@@ -5,8 +5,11 @@ in fp32 is only the difference between a full forward and an incremental (KV-cac
 """
 
 import inspect
+import re
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -32,6 +35,35 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint-named MoE weights (`...mlp.experts.{j}.gate_proj.weight`, as on disk and as the
+    megatron engine exports them) → transformers' module layout (`...mlp.experts.gate_up_proj`
+    [E, 2F, H]: expert j's gate rows then up rows; `...mlp.experts.down_proj` [E, H, F]), torch
+    tensors or numpy arrays alike; every other name as it is. No per-expert name: `weights`."""
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    out: dict[str, Any] = {}
+    for name, value in weights.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = value
+            continue
+        head, index, proj = match.group(1), int(match.group(2)), match.group(3)
+        experts.setdefault(head, {}).setdefault(index, {})[proj] = value
+    if not experts:
+        return weights
+    for head, by_index in experts.items():
+        order = [by_index[j] for j in range(len(by_index))]
+        lib = torch if isinstance(order[0]["gate_proj"], torch.Tensor) else np
+        out[f"{head}.gate_up_proj"] = lib.stack(
+            [lib.concatenate([e["gate_proj"], e["up_proj"]]) for e in order]
+        )
+        out[f"{head}.down_proj"] = lib.stack([e["down_proj"] for e in order])
+    return out
 
 
 def untie_embeddings(model: PreTrainedModel) -> PreTrainedModel:

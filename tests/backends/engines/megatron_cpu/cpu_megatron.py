@@ -107,6 +107,23 @@ def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -
         torch.Tensor.type = _cuda_type_name
 
 
+def gloo_all_to_all() -> None:
+    """Let megatron-core's MoE token dispatcher run on gloo (idempotent): it hands
+    `all_to_all_single` its split sizes as CPU tensors, gloo's binding takes lists."""
+    if "all_to_all" in _installed:
+        return
+    _installed.add("all_to_all")
+    all_to_all = torch.distributed.all_to_all_single
+
+    def gloo_all_to_all_single(output, input_, output_split_sizes=None, input_split_sizes=None,
+                               **kwargs):  # fmt: skip
+        sizes = [s.tolist() if isinstance(s, torch.Tensor) else s
+                 for s in (output_split_sizes, input_split_sizes)]  # fmt: skip
+        return all_to_all(output, input_, *sizes, **kwargs)
+
+    torch.distributed.all_to_all_single = gloo_all_to_all_single
+
+
 def tiny_qwen3(directory: Path, *, layers: int = 2, tied: bool = True) -> Path:
     """A random Qwen3 (GQA, QK-norm; seed 0) saved in HF form in `directory`, once."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -20,6 +20,9 @@ from typing import Any
 import torch
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+MOE_ATTENTION_TYPES = ("qwen3_moe",)
+"""MoE families whose attention is the dense family's (their experts: `megatron.moe`)."""
+HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,17 @@ class DenseShape:
     @classmethod
     def from_hf(cls, config: Any) -> "DenseShape":
         model_type = getattr(config, "model_type", "?")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type in HYBRID_TYPES:
             raise ValueError(
-                f"trainer_engine=megatron supports model_type {SUPPORTED_MODEL_TYPES}; "
-                f"this config has model_type={model_type!r} (use trainer_engine=torch)"
+                f"trainer_engine=megatron: model_type={model_type!r} has Gated DeltaNet hybrid "
+                "layers, which this engine does not build yet (the torch engine trains them: "
+                "backend.local.trainer_engine=torch)"
+            )
+        if model_type not in SUPPORTED_MODEL_TYPES + MOE_ATTENTION_TYPES:
+            raise ValueError(
+                f"trainer_engine=megatron supports model_type "
+                f"{SUPPORTED_MODEL_TYPES + MOE_ATTENTION_TYPES}; this config has "
+                f"model_type={model_type!r} (use trainer_engine=torch)"
             )
         heads = int(config.num_attention_heads)
         rope = getattr(config, "rope_theta", None)
@@ -57,14 +67,14 @@ class DenseShape:
             model_type=model_type,
             layers=int(config.num_hidden_layers),
             hidden=int(config.hidden_size),
-            ffn=int(config.intermediate_size),
+            ffn=int(getattr(config, "intermediate_size", None) or config.moe_intermediate_size),
             heads=heads,
             kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
             vocab=int(config.vocab_size),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_theta=float(rope),
             rms_eps=float(config.rms_norm_eps),
             max_positions=int(config.max_position_embeddings),

@@ -20,7 +20,9 @@ them, see `EXPERT_LAYOUTS`), `mlp.shared_experts.linear_fc{1,2}.weight` and
 - Gated DeltaNet `in_proj` [2·Kd + 2·Vd + 2·Hv, hidden] = q | k | v | z | beta | alpha (HF's
   in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); conv1d over q | k | v in both.
 Qwen3.5's RMSNorms store (weight − 1) (zero-centred gamma): copied as is, the engine sets
-`layernorm_zero_centered_gamma` for these families.
+`layernorm_zero_centered_gamma` for these families; the Gated DeltaNet's output norm
+(`linear_attn.norm`) stores gamma itself, so it maps as gamma − 1 (megatron's `out_norm` follows
+the same zero-centred setting; checked against transformers in fp32 on CPU, max logit diff 1e-6).
 """
 
 from dataclasses import dataclass
@@ -62,7 +64,9 @@ class MoeSettings:
             "moe_ffn_hidden_size": shape.expert_ffn,
             "moe_shared_expert_intermediate_size": shape.shared_ffn or None,
             "moe_shared_expert_gate": shape.shared_ffn > 0,
-            "moe_router_pre_softmax": False,
+            # norm_topk_prob: softmax over the top-k logits (= renormalised top-k probabilities);
+            # without it, top-k of the softmax over every expert, not renormalised
+            "moe_router_pre_softmax": not shape.norm_topk,
             "moe_router_score_function": "softmax",
             "moe_router_dtype": self.router_dtype,
             "moe_aux_loss_coeff": self.aux_loss_coeff,
@@ -195,7 +199,6 @@ _GDN_COPIED = (
     ("self_attention.conv1d.weight", "linear_attn.conv1d.weight"),
     ("self_attention.A_log", "linear_attn.A_log"),
     ("self_attention.dt_bias", "linear_attn.dt_bias"),
-    ("self_attention.out_norm.weight", "linear_attn.norm.weight"),
     ("self_attention.out_proj.weight", "linear_attn.out_proj.weight"),
 )
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -252,6 +255,9 @@ def hf_to_megatron(shape: HybridShape, hf: dict[str, torch.Tensor]) -> dict[str,
         for mega, name in _layer_pairs(shape, i):
             out[dst + mega] = hf[src + name]
         if shape.layer_types[i] == "linear_attention":
+            # HF's gated RMSNorm after the delta rule stores gamma itself; megatron's follows
+            # layernorm_zero_centered_gamma (1 + w), as the layer norms do
+            out[dst + "self_attention.out_norm.weight"] = hf[f"{src}linear_attn.norm.weight"] - 1
             out[dst + "self_attention.in_proj.weight"] = torch.cat(
                 [hf[f"{src}linear_attn.{n}.weight"] for n in _GDN_IN], dim=0
             )
@@ -284,6 +290,7 @@ def megatron_to_hf(shape: HybridShape, mega: dict[str, torch.Tensor]) -> dict[st
         for mega_name, name in _layer_pairs(shape, i):
             out[dst + name] = mega[src + mega_name]
         if shape.layer_types[i] == "linear_attention":
+            out[f"{dst}linear_attn.norm.weight"] = mega[src + "self_attention.out_norm.weight"] + 1
             parts = torch.split(mega[src + "self_attention.in_proj.weight"], _gdn_sections(shape))
             for name, part in zip(_GDN_IN, parts, strict=True):
                 out[f"{dst}linear_attn.{name}.weight"] = part
@@ -316,13 +323,72 @@ def expert_shard(
     per_rank = shape.experts // ep
     out = {}
     for name, tensor in mega.items():
-        marker = ".mlp.experts.local_experts."
-        if marker not in name:
+        parts = expert_index(name)
+        if parts is None:
             out[name] = tensor
             continue
-        head, rest = name.split(marker)
-        index, tail = rest.split(".", 1)
-        local = int(index) - rank * per_rank
+        head, index, tail = parts
+        local = index - rank * per_rank
         if 0 <= local < per_rank:
-            out[f"{head}{marker}{local}.{tail}"] = tensor
+            out[f"{head}.mlp.experts.local_experts.{local}.{tail}"] = tensor
+    return out
+
+
+def check_engine_layout(
+    shape: HybridShape, *, tp: int, pp: int, cp: int, ep: int, dp: int, lora_rank: int
+) -> None:
+    """What the megatron engine builds for a MoE model, else CapabilityError naming the field:
+    experts split by `ep` over the data-parallel ranks (ep divides dp), no TP / PP / CP split of a
+    MoE model yet, no LoRA on expert weights."""
+    from oneloop.errors import CapabilityError
+
+    shape.check_ep(ep)
+    refused = [
+        (f"local.megatron.{name}={size}", why)
+        for name, size, why in (
+            ("tp", tp, "experts are split by ep, not tp"),
+            ("pp", pp, "pipeline stages of MoE layers are not built yet"),
+            ("cp", cp, "context parallelism runs the dense families' attention only"),
+        )
+        if size > 1
+    ]
+    if lora_rank > 0:
+        refused.append((f"model.lora_rank={lora_rank}", "LoRA adapters on expert weights are "
+                        "not built on the megatron engine (the torch engine trains them)"))
+    if ep > 1 and dp % ep:
+        refused.append((f"local.megatron.ep={ep}", f"expert-parallel ranks are carved out of the "
+                        f"data-parallel ranks; dp={dp} is not a multiple of it"))
+    if refused:
+        field, why = refused[0]
+        raise CapabilityError(
+            f"{field} with the MoE model {shape.model_type!r} on trainer_engine=megatron: {why}"
+        )
+
+
+def expert_index(name: str) -> tuple[str, int, str] | None:
+    """(head, local expert index, tail) of a SequentialMLP expert parameter name, else None."""
+    marker = ".mlp.experts.local_experts."
+    if marker not in name:
+        return None
+    head, rest = name.split(marker)
+    index, tail = rest.split(".", 1)
+    return head, int(index), tail
+
+
+def unshard_experts(
+    shape: HybridShape, per_rank: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Inverse of `expert_shard` over every EP rank's parameters (in EP-rank order): every
+    non-expert parameter from rank 0, experts renumbered to their global index."""
+    local = shape.experts // len(per_rank)
+    out: dict[str, torch.Tensor] = {}
+    for rank, mega in enumerate(per_rank):
+        for name, tensor in mega.items():
+            parts = expert_index(name)
+            if parts is None:
+                if rank == 0:
+                    out[name] = tensor
+                continue
+            head, index, tail = parts
+            out[f"{head}.mlp.experts.local_experts.{rank * local + index}.{tail}"] = tensor
     return out

@@ -93,7 +93,9 @@ class MegatronSpeed:
         )
 
 
-def use_te(speed: MegatronSpeed, *, te_importable: bool, lora_rank: int, cp: int) -> bool:
+def use_te(
+    speed: MegatronSpeed, *, te_importable: bool, lora_rank: int, cp: int, moe: bool = False
+) -> bool:
     """Whether the engine builds TransformerEngine's layer spec (`layer_spec`, module docstring);
     raises `CapabilityError` for what cannot be honoured."""
     if speed.layer_spec == "local":
@@ -106,6 +108,8 @@ def use_te(speed: MegatronSpeed, *, te_importable: bool, lora_rank: int, cp: int
             ("LoRA runs on the local spec (the adapter reads the normed input that TE's fused "
              "norm + linear never exposes)", lora_rank > 0),
             ("context parallelism runs on our SDPA attention (parallel.cp)", cp > 1),
+            ("MoE models run on the local spec (SequentialMLP experts, our `megatron.moe` "
+             "mapping; TE's grouped-GEMM expert names are not mapped)", moe),
         )
         if applies
     ]  # fmt: skip

@@ -4,8 +4,10 @@ Same contract as `torch.trainer.TorchTrainerEngine` (Tinker losses from `losses`
 tokens, gradients accumulating until `optim_step`, AdamW with every AdamParams field applied each
 step), so the loop, the clients and `oneloop serve` cannot tell the engines apart.
 
-- Model: Qwen3 / Qwen2 / Llama dense decoders from a local Hugging Face directory; weights imported
-  and exported through `megatron.layout` (our mapping; round-trip tested). TransformerEngine's layer
+- Model: Qwen3 / Qwen2 / Llama dense decoders and Qwen3-MoE (`qwen3_moe`: megatron-core's MoE
+  layers, `megatron.moe.MoeSettings`: router in fp32, no aux / z loss unless configured, all-to-all
+  dispatch, SequentialMLP experts) from a local Hugging Face directory; weights imported and
+  exported through `megatron.layout` / `megatron.moe` (our mappings; round-trip tested). TransformerEngine's layer
   spec when TE imports, else Megatron's local spec with the core attention swapped for torch SDPA
   (the stock local attention materialises the s×s scores: 2.8× slower at seq 4096 on an H200).
 - Speed without TE (`megatron.speed.MegatronSpeed`, measured by benchmarks/gpu_mfu.py): target
@@ -19,7 +21,11 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   distributed optimizer shards its state over them; PP > 1: `parallel.pp.MegatronPpRank` is
   each rank (one pipeline stage, Megatron's schedule); CP > 1: `parallel.cp_rank.MegatronCpRank`
   is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
-  EP > 1 is refused (`REFUSED_PARALLEL`).
+  EP > 1 (MoE): the experts of each layer split over the data-parallel ranks (Megatron's
+  expert-parallel groups, all-to-all token dispatch); every replica then runs the same number of
+  micro-batches (idle ones forward and backward one token with no loss), since each micro-batch's
+  dispatch is a collective of the EP group. MoE runs at tp = pp = cp = 1 without LoRA
+  (`moe.check_engine_layout` says why for each).
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
@@ -48,15 +54,21 @@ from oneloop.backends.megatron_local.engines.base import (
 )
 from oneloop.backends.megatron_local.engines.hf import DTYPES, set_threads, token_logprobs
 from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lora
+from oneloop.backends.megatron_local.engines.megatron import moe as megatron_moe
 from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
 from oneloop.backends.megatron_local.engines.megatron import speed as megatron_speed
 from oneloop.backends.megatron_local.engines.megatron.layout import (
+    MOE_ATTENTION_TYPES,
     DenseShape,
     hf_to_megatron,
     megatron_param_names,
     megatron_to_hf,
 )
-from oneloop.backends.megatron_local.engines.microbatch import padded_arrays, run_microbatches
+from oneloop.backends.megatron_local.engines.microbatch import (
+    pack_microbatches,
+    padded_arrays,
+    run_microbatches,
+)
 from oneloop.backends.megatron_local.ports import free_port
 from oneloop.errors import CapabilityError
 
@@ -64,9 +76,6 @@ WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable 
 OPTIMIZER_FILE = "optimizer.pt"
 ENGINE_STATE_FILE = "engine.json"
 NO_CLIP = 1e30  # clip_grad this large never clips but makes Megatron report the grad norm
-REFUSED_PARALLEL = {  # sizes > 1 not built yet, and why (TP, PP > 1: megatron.group)
-    "ep": "expert parallelism waits for MoE models (this engine runs dense Qwen3/Qwen2/Llama)",
-}
 
 
 @dataclass(frozen=True)
@@ -91,9 +100,6 @@ def _te_available() -> bool:
 
 
 def init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
-    for knob, why in REFUSED_PARALLEL.items():
-        if getattr(parallel, knob) != 1:
-            raise CapabilityError(f"local.megatron.{knob}={getattr(parallel, knob)}: {why}")
     dist = torch.distributed
     world = parallel.tp * parallel.pp * parallel.cp * parallel.dp
     if world > 1 and not (dist.is_initialized() and dist.get_world_size() == world):
@@ -110,7 +116,10 @@ def init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            parallel.tp, parallel.pp, context_parallel_size=parallel.cp
+            parallel.tp,
+            parallel.pp,
+            context_parallel_size=parallel.cp,
+            expert_model_parallel_size=parallel.ep,
         )
 
 
@@ -133,11 +142,13 @@ def _read_hf_weights(model_path: Path) -> dict[str, torch.Tensor]:
 
 def optimizer_file(layout: dict[str, int], rank: int) -> str:
     """Optimizer state file of group rank `rank`: `optimizer.pt` for one process, else
-    `optimizer.tp{T}[.pp{P}][.cp{C}][.dp{D}].rank{r}.pt` (each rank's shard; same sizes to
+    `optimizer.tp{T}[.pp{P}][.cp{C}][.dp{D}][.ep{E}].rank{r}.pt` (each rank's shard; same sizes to
     resume)."""
     if all(size == 1 for size in layout.values()):
         return OPTIMIZER_FILE
-    extra = "".join(f".{k}{layout[k]}" for k in ("pp", "cp", "dp") if layout.get(k, 1) > 1)
+    extra = "".join(
+        f".{k}{layout[k]}" for k in ("pp", "cp", "dp", "ep") if layout.get(k, 1) > 1
+    )
     return f"optimizer.tp{layout['tp']}{extra}.rank{rank}.pt"
 
 
@@ -184,23 +195,37 @@ class MegatronTrainerEngine(TrainerEngine):
         device: str = "cuda",
         parallel: MegatronParallel | None = None,
         speed: megatron_speed.MegatronSpeed | None = None,
+        moe: megatron_moe.MoeSettings | None = None,
     ) -> None:
         from transformers import AutoConfig
 
         set_threads(threads)
         self.parallel = parallel or MegatronParallel()
         self.speed = speed or megatron_speed.MegatronSpeed()
+        self.moe_settings = moe or megatron_moe.MoeSettings()
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        hf_config = AutoConfig.from_pretrained(str(model_path))
+        self.shape = DenseShape.from_hf(hf_config)  # the attention's figures (MoE included)
+        self.moe: megatron_moe.HybridShape | None = None  # the experts' (MoE families)
+        if self.shape.model_type in MOE_ATTENTION_TYPES:
+            self.moe = megatron_moe.HybridShape.from_hf(hf_config)
+            p = self.parallel
+            megatron_moe.check_engine_layout(
+                self.moe, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, lora_rank=lora.rank
+            )
         init_distributed(self.parallel, self.device)
         if self.device.type == "cuda":
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(lora.seed or 0)
         self.te = megatron_speed.use_te(
-            self.speed, te_importable=_te_available(), lora_rank=lora.rank, cp=self.parallel.cp
+            self.speed,
+            te_importable=_te_available(),
+            lora_rank=lora.rank,
+            cp=self.parallel.cp,
+            moe=self.moe is not None,
         )
         self.module = self._build_model()
         self._import_hf(_read_hf_weights(model_path))
@@ -248,7 +273,17 @@ class MegatronTrainerEngine(TrainerEngine):
             use_cpu_initialization=self.device.type != "cuda",
             # DP: Megatron's DDP sums the replicas' gradients instead of averaging (Tinker's sums)
             calculate_per_token_loss=self.parallel.dp > 1,
+            **self._moe_config(),
         )
+
+    def _moe_config(self) -> dict:
+        """The MoE fields of the TransformerConfig (none for a dense model)."""
+        if self.moe is None:
+            return {}
+        return {
+            **self.moe_settings.transformer_config_kwargs(self.moe),
+            "expert_model_parallel_size": self.parallel.ep,
+        }
 
     def _build_model(self):
         from megatron.core.models.gpt import GPTModel
@@ -259,7 +294,10 @@ class MegatronTrainerEngine(TrainerEngine):
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm)
         else:
             spec = specs.get_gpt_layer_local_spec(
-                normalization="RMSNorm", qk_layernorm=self.shape.qk_norm
+                num_experts=self.moe.experts if self.moe else None,
+                moe_grouped_gemm=False,
+                normalization="RMSNorm",
+                qk_layernorm=self.shape.qk_norm,
             )
             spec.submodules.self_attention.submodules.core_attention = self._core_attention()
         model = GPTModel(
@@ -295,8 +333,43 @@ class MegatronTrainerEngine(TrainerEngine):
         inverse = {_te_name(n): n for n in megatron_param_names(self.shape)}
         return {inverse.get(name, name): p for name, p in params.items()}
 
+    def _to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full HF weights → this EP rank's Megatron-layout weights (all but other ranks'
+        experts; every weight for a dense model)."""
+        if self.moe is None:
+            return hf_to_megatron(self.shape, hf)
+        mega = megatron_moe.hf_to_megatron(self.moe, hf)
+        if self.parallel.ep == 1:
+            return mega
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_expert_model_parallel_rank()
+        return megatron_moe.expert_shard(self.moe, mega, self.parallel.ep, rank)
+
+    def _to_hf(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's Megatron-layout weights → full HF weights (MoE at EP > 1: the experts
+        all-gathered over the expert-parallel group, a collective every rank calls)."""
+        if self.moe is None:
+            return megatron_to_hf(self.shape, params)
+        if self.parallel.ep > 1:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_expert_model_parallel_group()
+            names = [n for n in params if megatron_moe.expert_index(n) is not None]
+            mine = [params[n] for n in names]
+            flat = torch._utils._flatten_dense_tensors(mine)
+            every = [torch.empty_like(flat) for _ in range(self.parallel.ep)]
+            torch.distributed.all_gather(every, flat, group=group)
+            per_rank = [
+                dict(zip(names, torch._utils._unflatten_dense_tensors(f, mine), strict=True))
+                for f in every
+            ]
+            per_rank[0].update({n: t for n, t in params.items() if n not in per_rank[0]})
+            params = megatron_moe.unshard_experts(self.moe, per_rank)
+        return megatron_moe.megatron_to_hf(self.moe, params)
+
     def _import_hf(self, hf: dict[str, torch.Tensor]) -> None:
-        mapped = self._local_parts(hf_to_megatron(self.shape, hf))
+        mapped = self._local_parts(self._to_megatron(hf))
         params = self._params_by_hf_layout()
         missing = sorted(set(params) - set(mapped))
         extra = sorted(set(mapped) - set(params))
@@ -391,6 +464,13 @@ class MegatronTrainerEngine(TrainerEngine):
             self.max_tokens_per_microbatch,
             lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
         )
+        if self.parallel.ep > 1:  # each micro-batch's token dispatch is an EP-group collective
+            counts = [
+                len(pack_microbatches([len(data[i].tokens) for i in s], self.max_tokens_per_microbatch))
+                for s in shares
+            ]
+            for _ in range(max(counts) - counts[parallel_state.get_data_parallel_rank()]):
+                self._idle_microbatch(forward_only)
         every: list = [None] * self.parallel.dp
         torch.distributed.all_gather_object(
             every, mine, group=parallel_state.get_data_parallel_group()
@@ -432,6 +512,15 @@ class MegatronTrainerEngine(TrainerEngine):
                 result.loss.backward()
         return result, target_lp.detach().float().cpu().numpy()
 
+    def _idle_microbatch(self, forward_only: bool) -> None:
+        """Forward (and backward) one token with no loss: a replica with fewer micro-batches
+        than the others of its expert-parallel group joins their dispatch collectives."""
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with torch.set_grad_enabled(not forward_only):
+            logits = self.model(input_ids=one, position_ids=one, attention_mask=None)
+            if not forward_only:
+                (logits.float().sum() * 0.0).backward()
+
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         lr = float(adam_params["learning_rate"])
         clip = float(adam_params.get("grad_clip_norm", 0.0))
@@ -463,7 +552,7 @@ class MegatronTrainerEngine(TrainerEngine):
         """Current weights in HF names, on the engine's device (views where the layout allows);
         LoRA runs: merged with the adapter (merged entries fp32, as the `torch` engine's)."""
         params = {n: p.detach() for n, p in self._params_by_hf_layout().items()}
-        hf = megatron_to_hf(self.shape, params)
+        hf = self._to_hf(params)
         return self.lora.merge(hf) if self.lora else hf
 
     def adapter(self) -> LoraAdapter:
@@ -484,7 +573,7 @@ class MegatronTrainerEngine(TrainerEngine):
 
     def _layout(self) -> dict[str, int]:
         p = self.parallel
-        return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.dp}
+        return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.dp, "ep": p.ep}
 
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -511,7 +600,9 @@ class MegatronTrainerEngine(TrainerEngine):
         steps, layout = int(state["steps"]), self._layout()
         saved = {k: int(state.get(k, 1)) for k in layout}
         if with_optimizer and steps > 0 and saved != layout:  # before anything changes
-            shown = [k for k in layout if k != "dp" or saved[k] != 1 or layout[k] != 1]
+            shown = [
+                k for k in layout if k not in ("dp", "ep") or saved[k] != 1 or layout[k] != 1
+            ]
             sizes = [" ".join(f"{k}={x[k]}" for k in shown) for x in (saved, layout)]
             raise ValueError(
                 f"{directory}: optimizer state was saved at local.megatron {sizes[0]}, this "

@@ -48,6 +48,7 @@ from oneloop.backends.megatron_local.engines.base import (
 )
 from oneloop.backends.megatron_local.engines.hf import (
     cache_kwarg,
+    fuse_experts,
     load_causal_lm,
     set_threads,
     token_logprobs,
@@ -130,6 +131,8 @@ class TorchSamplerEngine(SamplerEngine):
     # -- weights ---------------------------------------------------------------------------------
 
     def set_weights(self, key: str, weights: dict[str, np.ndarray], version: int) -> None:
+        # per-expert checkpoint names (a megatron trainer's export) → this model's fused experts
+        weights = fuse_experts(weights)
         tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
         expected = set(self.weight_sets[BASE_KEY][0])
         if set(tensors) != expected:

@@ -87,6 +87,8 @@ class MegatronTpRank(MegatronTrainerEngine):
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """Full HF weights on rank 0 (empty dict elsewhere); every rank must call it."""
+        if self.moe is not None:  # tp = 1: the experts gathered over EP (`_to_hf`)
+            return super().hf_weights()
         group, full = self._tp_group(), {}
         for name, param in self._params_by_hf_layout().items():
             part = param.detach()

@@ -1,0 +1,196 @@
+"""The phase of the megatron MoE check (test_megatron_moe_gloo): Qwen3-MoE on the engine itself.
+
+    .venv/bin/python tests/backends/engines/megatron_cpu/moe_gloo_phases.py --phase torch --work DIR
+    .venv/bin/python tests/backends/engines/megatron_cpu/moe_gloo_phases.py --phase megatron --work DIR
+
+The tiny random Qwen3-MoE (`oneloop/tiny-qwen3-moe`, fp32), the same datums and AdamParams through
+- phase `torch` (its own process, without the CUDA-on-CPU shims: installed before transformers is
+  imported, they change its numerics): the torch trainer engine (transformers' Qwen3-MoE), the
+  engine the sampler shares its model code with;
+- phase `megatron`, `ref`: the megatron engine in this process (ep = dp = 1): megatron-core's MoE
+  layers built from our `megatron.moe` mapping;
+- `ep2`: `megatron.group.MegatronRayGroup` with dp = 2, ep = 2 (each rank holds half of every
+  layer's experts; tokens dispatched all-to-all on gloo) on a local Ray runtime, with a token
+  budget small enough that the two replicas get different micro-batch counts (the idle
+  micro-batches keep the dispatch collectives paired), a checkpoint with the optimizer after
+  step 1;
+- `ref` loading the ep = 2 checkpoint: the weights load (experts gathered back into HF form),
+  the optimizer state is refused (saved at another layout) before anything loads.
+Loss, logprobs, grad norm and weights after each of two optim_steps go to DIR/figures.json;
+test_megatron_moe_gloo.py asserts the tolerances. The CUDA-on-CPU shims and the gloo all-to-all
+patch are installed at the top level here, so the rank actors, which import this file, get them.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import cpu_megatron as cm
+import numpy as np
+
+if __name__ != "__main__" or "torch" not in sys.argv:  # the megatron phase and its rank actors
+    cm.cuda_calls_on_cpu(allocations=True)
+    cm.gloo_all_to_all()
+
+ADAMS = [
+    dict(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.0),
+    dict(learning_rate=5e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip_norm=1.0),
+]  # fmt: skip
+LENGTHS = ((20, 13, 7, 16, 9, 11, 5), (18, 5, 12, 14, 10, 8))  # the datums of step 1, step 2
+BUDGET = 32  # padded tokens per micro-batch: several micro-batches per replica, unequal counts
+
+
+def _data(step: int) -> list:
+    """Random datums without token 0, the tiny model's pad_token_id: transformers' embedding
+    freezes that row (`padding_idx`, no gradient), megatron's trains it like any other."""
+    data = cm.random_data(np.random.default_rng(step), LENGTHS[step], cm.ones)
+    for datum in data:
+        datum.tokens[datum.tokens == 0] = 1
+        datum.targets[datum.targets == 0] = 1
+    return data
+
+
+def _weights(engine) -> dict[str, np.ndarray]:
+    """Sampler weights in transformers' module layout (the megatron engine exports checkpoint
+    names, per expert; the torch engine its fused experts)."""
+    from oneloop.backends.megatron_local.engines.hf import fuse_experts
+
+    weights = fuse_experts(engine.sampler_weights())
+    return {k: np.asarray(v, np.float32).copy() for k, v in weights.items()}
+
+
+def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
+    for step in range(2):
+        result = engine.forward_backward(_data(step), "cross_entropy", None, False)
+        stats = engine.optim_step(ADAMS[step])
+        out[f"{tag}/loss{step}"] = result.loss
+        out[f"{tag}/lp{step}"] = np.concatenate(result.logprobs)
+        out[f"{tag}/grad_norm{step}"] = stats["grad_norm:mean"]
+        out[f"{tag}/weights{step}"] = _weights(engine)
+        if save is not None and step == 0:
+            engine.save_state(save, with_optimizer=True)
+
+
+def _gap(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))[:6]
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def _microbatch_counts(dp: int) -> list[list[int]]:
+    """Per step, each replica's micro-batch count (what the idle micro-batches even out)."""
+    from oneloop.backends.megatron_local.engines.megatron.trainer import dp_shares
+    from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
+
+    return [
+        [len(pack_microbatches([lengths[i] for i in share], BUDGET)) for share in
+         dp_shares(list(lengths), dp)]
+        for lengths in LENGTHS
+    ]  # fmt: skip
+
+
+def _run_torch(work: Path) -> None:
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
+    from oneloop.tiny.model import TINY_QWEN3_MOE, build_tiny_model, named_tiny_specs
+
+    model = build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])
+    engine = TorchTrainerEngine(
+        model, LoraSpec(0), device="cpu", dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET
+    )
+    out: dict = {}
+    _train(engine, out, "torch")
+    flat = {k: v for k, v in out.items() if not isinstance(v, dict)}
+    flat.update({f"{k}/{n}": w for k, v in out.items() if isinstance(v, dict) for n, w in v.items()})
+    np.savez(work / "torch.npz", **flat)
+
+
+def _load_torch(work: Path) -> dict:
+    out: dict = {}
+    with np.load(work / "torch.npz") as saved:
+        for key in saved.files:
+            head, _, name = key.partition("/weights")
+            if name:  # torch/weights0/model.x.weight
+                step, _, weight = name.partition("/")
+                out.setdefault(f"{head}/weights{step}", {})[weight] = saved[key]
+            else:
+                out[key] = saved[key] if saved[key].ndim else float(saved[key])
+    return out
+
+
+def _run(work: Path) -> None:
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
+    from oneloop.backends.megatron_local.engines.megatron.trainer import (
+        MegatronParallel,
+        MegatronTrainerEngine,
+    )
+    from oneloop.tiny.model import TINY_QWEN3_MOE, build_tiny_model, named_tiny_specs
+
+    model = build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])
+    common = dict(dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET)
+    out: dict = _load_torch(work)
+    mega = dict(device="cpu", speed=cm.check_speed(), **common)
+    ref = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
+    _train(ref, out, "ref")
+    cm.start_ray(2)
+    ep2 = MegatronRayGroup(
+        model,
+        LoraSpec(0),
+        parallel=MegatronParallel(dp=2, ep=2),
+        timeout_s=cm.GROUP_TIMEOUT_S,
+        setup=cm.phase_setup(),
+        gpus_per_rank=0,
+        **mega,
+    )
+    _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
+    ep2.close()
+    figures: dict = {"microbatch_counts_dp2": _microbatch_counts(2)}
+    try:
+        ref.load_state(work / "ckpt_ep2_step1", with_optimizer=True)
+        figures["ep1_loads_ep2_optimizer"] = "loaded"
+    except ValueError as error:
+        figures["ep1_loads_ep2_optimizer"] = str(error)
+    ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
+    figures["ep1_loads_ep2_weights_gap"] = _gap(_weights(ref), out["ep2/weights0"])
+    figures["optimizer_files"] = sorted(p.name for p in (work / "ckpt_ep2_step1").glob("opt*"))
+    for tag in ("torch", "ep2"):
+        for step in range(2):
+            figures[f"{tag}_loss{step}_rel_gap"] = abs(
+                out[f"{tag}/loss{step}"] / out[f"ref/loss{step}"] - 1
+            )
+            figures[f"{tag}_grad_norm{step}_rel_gap"] = abs(
+                out[f"{tag}/grad_norm{step}"] / out[f"ref/grad_norm{step}"] - 1
+            )
+            figures[f"{tag}_logprob{step}_gap"] = float(
+                np.abs(out[f"{tag}/lp{step}"] - out[f"ref/lp{step}"]).max()
+            )
+            figures[f"{tag}_weights{step}_gap"] = _gap(
+                out[f"{tag}/weights{step}"], out[f"ref/weights{step}"]
+            )
+    figures["ref_weights_moved"] = _gap(out["ref/weights1"], _weights_of(model))
+    figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
+    (work / "figures.json").write_text(json.dumps(figures, indent=1))
+
+
+def _weights_of(model: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    from oneloop.backends.megatron_local.engines.hf import fuse_experts
+
+    weights = fuse_experts(load_file(str(model / "model.safetensors")))
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    return {k: v.astype(np.float32) for k, v in weights.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--phase", choices=("torch", "megatron"), required=True)
+    parser.add_argument("--work", type=Path, required=True, help="where the figures go")
+    args = parser.parse_args()
+    (_run_torch if args.phase == "torch" else _run)(args.work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

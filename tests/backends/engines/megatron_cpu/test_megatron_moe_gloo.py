@@ -1,0 +1,45 @@
+"""Qwen3-MoE on the megatron trainer engine itself (real megatron-core, CPU, gloo, fp32).
+
+moe_gloo_phases.py runs two phases, each in its own process: the torch trainer engine (no CUDA
+shims), then the megatron engine at ep = 1 in-process and at dp = 2 × ep = 2 as Ray rank actors
+(each rank holding half of every layer's experts, tokens dispatched all-to-all, replicas with
+unequal micro-batch counts). Over two optim_steps: megatron equals the torch engine (loss, grad
+norm, logprobs, weights) and ep = 2 equals ep = 1; the ep = 2 checkpoint's weights (experts
+gathered back to HF form) load at ep = 1 and its optimizer state is refused there, naming the
+layouts.
+"""
+
+import json
+
+import pytest
+from cpu_megatron import megatron_core_installed, run_phases
+
+pytestmark = [pytest.mark.megatron_cpu, pytest.mark.timeout(900)]
+
+
+def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
+    assert megatron_core_installed(), "megatron-core missing: `uv sync` (group megatron-cpu)"
+    run_phases("moe_gloo_phases.py", tmp_path, [["--phase", "torch"], ["--phase", "megatron"]])
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    for key, value in figures.items():
+        print(f"RESULT {key} = {value}")
+    counts = figures["microbatch_counts_dp2"]
+    assert any(len(set(step)) > 1 for step in counts), counts  # the idle micro-batch path ran
+    assert figures["ref_weights_moved"] > 1e-4, figures
+    assert figures["expert_tensors"] == 4, figures  # 2 layers × (gate_up, down) in module layout
+    for tag in ("torch", "ep2"):
+        for step in range(2):
+            assert figures[f"{tag}_loss{step}_rel_gap"] < 1e-6, (tag, step, figures)
+            assert figures[f"{tag}_grad_norm{step}_rel_gap"] < 1e-5, (tag, step, figures)
+            assert figures[f"{tag}_logprob{step}_gap"] < 2e-5, (tag, step, figures)
+            # AdamW moves every weight by about lr (1e-3) on the first step whatever its gradient's
+            # size, so a weight whose gradient is near eps moves by a different fraction of lr
+            # at 1e-7 relative gradient differences: the bound is 30 % of one step, not 1e-6
+            assert figures[f"{tag}_weights{step}_gap"] < 3e-4, (tag, step, figures)
+    assert figures["ep1_loads_ep2_weights_gap"] == 0.0, figures
+    refused = figures["ep1_loads_ep2_optimizer"]
+    assert "dp=2 ep=2" in refused and "dp=1 ep=1" in refused, refused
+    assert figures["optimizer_files"] == [
+        "optimizer.tp1.dp2.ep2.rank0.pt",
+        "optimizer.tp1.dp2.ep2.rank1.pt",
+    ], figures
