@@ -1,5 +1,8 @@
 """Megatron trainer MFU, speed-up by speed-up, side by side in one run on one GPU.
 
+`--shape 30b-a3b-4l`: the 4-layer Qwen3-30B-A3B-width MoE (MFU on active parameters), e.g.
+`--variants all,torch` for the megatron MoE engine vs the torch engine on the same model.
+
 Random Qwen3 of the 1.7 B shape at seq 4096 (batch 4), `forward_backward` (cross_entropy, Tinker's
 loss, through the engine contract) + `optim_step`, per variant: the engine as first built
 (`MegatronSpeed.off()`, two sequences per micro-batch: its fp32 logits did not fit more), each
@@ -77,10 +80,15 @@ def make_batch(batch: int, seq: int) -> list[DatumArrays]:
 
 
 def flops_per_token(cfg, seq: int) -> tuple[int, float]:
-    n_params = cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * (
-        cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
-        + 3 * cfg.hidden_size * cfg.intermediate_size
-    )
+    """(N, training FLOPs per token). MoE (`num_experts`): N counts the active parameters, the
+    top-k experts' MLPs and the router; an untied LM head is a matmul of its own."""
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    if getattr(cfg, "num_experts", 0):
+        mlp = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        mlp += cfg.num_experts * cfg.hidden_size
+    heads = cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_attention_heads + cfg.num_key_value_heads)
+    unembed = cfg.vocab_size * cfg.hidden_size  # the LM head's matmul (the lookup costs none)
+    n_params = unembed + cfg.num_hidden_layers * (heads + mlp)
     attn = 6 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * cfg.head_dim
     return n_params, 6 * n_params + attn
 

@@ -1,4 +1,6 @@
-"""Build a random-weight Qwen3 of a real shape on the device (no hub there): `--shape 0.6b|1.7b`.
+"""Build a random-weight Qwen3 of a real shape on the device (no hub there): `--shape 0.6b|1.7b`,
+or `30b-a3b-4l`: Qwen3-30B-A3B's width (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
+top-8 of width 768, untied) at 4 layers (3.1 B parameters, `qwen3_moe`).
 
 Timings on such a model are representative; its text is not. Writes a Hugging Face directory
 (config, generation config, bf16 safetensors) that every engine loads like a downloaded model.
@@ -8,7 +10,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 # Published Qwen3 shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B).
 SHAPES = {
@@ -17,27 +19,46 @@ SHAPES = {
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8),
 }  # fmt: skip
+MOE_SHAPES = {  # config.json of Qwen/Qwen3-30B-A3B, 4 of its 48 layers
+    "30b-a3b-4l": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                       num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
+                       num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+}  # fmt: skip
 
 
 def build(shape: str, out: Path, seed: int = 0) -> Path:
     if (out / "config.json").is_file():
         return out
-    config = Qwen3Config(
+    if shape in MOE_SHAPES:
+        config, model_class = Qwen3MoeConfig(
+            vocab_size=151936, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+            **MOE_SHAPES[shape],
+        ), Qwen3MoeForCausalLM  # fmt: skip
+    else:
+        config, model_class = _dense_config(shape), Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = model_class(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _dense_config(shape: str) -> Qwen3Config:
+    return Qwen3Config(
         vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
         **SHAPES[shape],
     )  # fmt: skip
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    parser.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="0.6b")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     print(build(args.shape, args.out))

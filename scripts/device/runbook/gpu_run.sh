@@ -16,6 +16,9 @@
 #                                    start, async RL, held-out success before vs after), bounded by
 #                                    DEMO_TIMEOUT_S (560); DEMO_ARGS adds dotted overrides
 #   megatron                         megatron-vs-torch parity test, save/load test, MFU bench
+#   megatron_moe                     megatron engine on the 4-layer Qwen3-30B-A3B-width MoE vs the
+#                                    torch engine (loss, logprobs, update, save/load), then MFU
+#                                    (active parameters) megatron vs torch at seq 4096
 #   moe_r3                           after setup_moe: vLLM routed experts (R3) replayed by the torch
 #                                    trainer on a 4-layer Qwen3-30B-A3B-width MoE: gap R3 on < off
 #   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
@@ -102,6 +105,16 @@ case "$stage" in
   megatron)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_megatron_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_train.py --model-dir /tmp/models 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
+  megatron_moe)   # megatron MoE engine vs torch engine on the 4-layer Qwen3-30B-A3B width, then
+    # training tokens/s and MFU (active parameters) at seq 4096, megatron vs torch, side by side
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l --out /tmp/models/qwen3-30b-a3b-4l
+    ONELOOP_GPU_MOE_DIR=/tmp/models/qwen3-30b-a3b-4l pytest_gpu tests/gpu/test_megatron_moe.py \
+      > "$OUT/megatron_moe.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/megatron_moe.log" | tail -20
+    tail -25 "$OUT/megatron_moe.log"
+    python3 benchmarks/gpu_mfu.py --model-dir /tmp/models --shape 30b-a3b-4l --variants all,torch \
+      --profile none --time-budget-s 300 ${MFU_ARGS:-} > "$OUT/mfu_moe.log" 2>&1 || tail -40 "$OUT/mfu_moe.log"
+    grep -E "RESULT|Error|error" "$OUT/mfu_moe.log" | tail -12 ;;
   vllm)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;

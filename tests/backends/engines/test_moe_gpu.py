@@ -13,6 +13,7 @@ the device README saw its multiprocess engine core hang once with R3 on).
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,22 +35,11 @@ PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 32, 48, 64
 
 
 def build_qwen3_moe(directory: Path) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """The 4-layer Qwen3-30B-A3B-width random MoE (`build_random_qwen3.py --shape 30b-a3b-4l`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts" / "device" / "runbook"))
+    from build_random_qwen3 import build
 
-    config = Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
-        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=151643, eos_token_id=151645,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(directory, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    return directory
+    return build("30b-a3b-4l", directory)
 
 
 @pytest.fixture(scope="module")
