@@ -64,6 +64,9 @@ def test_qkv_is_grouped_per_kv_head() -> None:
 
 def test_unsupported_family_is_refused_by_name() -> None:
     config = Qwen3Config()
-    config.model_type = "qwen3_moe"
-    with pytest.raises(ValueError, match="model_type='qwen3_moe'.*trainer_engine=torch"):
+    config.model_type = "gemma3"
+    with pytest.raises(ValueError, match="model_type='gemma3'.*trainer_engine=torch"):
+        DenseShape.from_hf(config)
+    config.model_type = "qwen3_5_moe"  # hybrid: Gated DeltaNet layers, not built yet
+    with pytest.raises(ValueError, match="model_type='qwen3_5_moe' has Gated DeltaNet"):
         DenseShape.from_hf(config)

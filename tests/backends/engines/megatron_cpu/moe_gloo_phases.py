@@ -79,7 +79,7 @@ def _gap(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def _microbatch_counts(dp: int) -> list[list[int]]:
     """Per step, each replica's micro-batch count (what the idle micro-batches even out)."""
-    from oneloop.backends.megatron_local.engines.megatron.trainer import dp_shares
+    from oneloop.backends.megatron_local.engines.megatron.data_parallel import dp_shares
     from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
 
     return [

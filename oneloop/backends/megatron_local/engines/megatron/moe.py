@@ -392,3 +392,39 @@ def unshard_experts(
             head, index, tail = parts
             out[f"{head}.mlp.experts.local_experts.{rank * local + index}.{tail}"] = tensor
     return out
+
+
+def to_megatron_rank(
+    shape: HybridShape, hf: dict[str, torch.Tensor], ep: int
+) -> dict[str, torch.Tensor]:
+    """Full HF weights → this EP rank's Megatron-layout weights (every non-expert parameter and
+    its own experts; megatron's parallel state gives the rank)."""
+    mega = hf_to_megatron(shape, hf)
+    if ep == 1:
+        return mega
+    from megatron.core import parallel_state
+
+    return expert_shard(shape, mega, ep, parallel_state.get_expert_model_parallel_rank())
+
+
+def to_hf_gathered(
+    shape: HybridShape, params: dict[str, torch.Tensor], ep: int
+) -> dict[str, torch.Tensor]:
+    """This EP rank's Megatron-layout weights → full HF weights: at ep > 1 the experts are
+    all-gathered over the expert-parallel group in one flat collective (every rank calls it)."""
+    if ep > 1:
+        from megatron.core import parallel_state
+
+        names = [n for n in params if expert_index(n) is not None]
+        mine = [params[n] for n in names]
+        flat = torch._utils._flatten_dense_tensors(mine)
+        every = [torch.empty_like(flat) for _ in range(ep)]
+        group = parallel_state.get_expert_model_parallel_group()
+        torch.distributed.all_gather(every, flat, group=group)
+        per_rank = [
+            dict(zip(names, torch._utils._unflatten_dense_tensors(f, mine), strict=True))
+            for f in every
+        ]
+        per_rank[0].update({n: t for n, t in params.items() if n not in per_rank[0]})
+        params = unshard_experts(shape, per_rank)
+    return megatron_to_hf(shape, params)

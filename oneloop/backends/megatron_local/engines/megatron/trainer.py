@@ -57,6 +57,10 @@ from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lo
 from oneloop.backends.megatron_local.engines.megatron import moe as megatron_moe
 from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
 from oneloop.backends.megatron_local.engines.megatron import speed as megatron_speed
+from oneloop.backends.megatron_local.engines.megatron.data_parallel import (
+    dp_shares,
+    merge_shares,
+)
 from oneloop.backends.megatron_local.engines.megatron.layout import (
     MOE_ATTENTION_TYPES,
     DenseShape,
@@ -100,6 +104,11 @@ def _te_available() -> bool:
 
 
 def init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
+    if parallel.ep > 1 and (parallel.dp * parallel.cp) % parallel.ep:
+        raise CapabilityError(
+            f"local.megatron.ep={parallel.ep}: expert parallelism (MoE models) splits the experts "
+            f"over data-parallel ranks, and dp={parallel.dp} is not a multiple of it"
+        )
     dist = torch.distributed
     world = parallel.tp * parallel.pp * parallel.cp * parallel.dp
     if world > 1 and not (dist.is_initialized() and dist.get_world_size() == world):
@@ -150,33 +159,6 @@ def optimizer_file(layout: dict[str, int], rank: int) -> str:
         f".{k}{layout[k]}" for k in ("pp", "cp", "dp", "ep") if layout.get(k, 1) > 1
     )
     return f"optimizer.tp{layout['tp']}{extra}.rank{rank}.pt"
-
-
-def dp_shares(lengths: list[int], dp: int) -> list[list[int]]:
-    """Datum indices per data-parallel replica, balanced by token count: longest first, each to
-    the replica with the fewest tokens so far (ties: the lower replica); each share in datum
-    order. Deterministic, so every rank computes the same split."""
-    shares: list[list[int]] = [[] for _ in range(dp)]
-    tokens = [0] * dp
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        replica = min(range(dp), key=lambda r: (tokens[r], r))
-        shares[replica].append(index)
-        tokens[replica] += lengths[index]
-    return [sorted(share) for share in shares]
-
-
-def merge_shares(results: list[ForwardResult], shares: list[list[int]], n: int) -> ForwardResult:
-    """The whole call's result from each replica's (`dp_shares` order): per-datum logprobs and
-    losses in datum order, the loss and metrics summed (Tinker's sums)."""
-    logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * n
-    per_datum = [0.0] * n
-    metrics: dict[str, float] = {}
-    for result, share in zip(results, shares, strict=True):
-        for row, index in enumerate(share):
-            logprobs[index], per_datum[index] = result.logprobs[row], result.per_datum_loss[row]
-        for key, value in result.metrics.items():
-            metrics[key] = metrics.get(key, 0.0) + value
-    return ForwardResult(logprobs, float(sum(per_datum)), per_datum, metrics)
 
 
 class MegatronTrainerEngine(TrainerEngine):
@@ -334,39 +316,16 @@ class MegatronTrainerEngine(TrainerEngine):
         return {inverse.get(name, name): p for name, p in params.items()}
 
     def _to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full HF weights → this EP rank's Megatron-layout weights (all but other ranks'
-        experts; every weight for a dense model)."""
+        """Full HF weights → this rank's Megatron-layout weights (MoE: its experts only)."""
         if self.moe is None:
             return hf_to_megatron(self.shape, hf)
-        mega = megatron_moe.hf_to_megatron(self.moe, hf)
-        if self.parallel.ep == 1:
-            return mega
-        from megatron.core import parallel_state
-
-        rank = parallel_state.get_expert_model_parallel_rank()
-        return megatron_moe.expert_shard(self.moe, mega, self.parallel.ep, rank)
+        return megatron_moe.to_megatron_rank(self.moe, hf, self.parallel.ep)
 
     def _to_hf(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's Megatron-layout weights → full HF weights (MoE at EP > 1: the experts
-        all-gathered over the expert-parallel group, a collective every rank calls)."""
+        """This rank's Megatron-layout weights → full HF weights (MoE at EP > 1: a collective)."""
         if self.moe is None:
             return megatron_to_hf(self.shape, params)
-        if self.parallel.ep > 1:
-            from megatron.core import parallel_state
-
-            group = parallel_state.get_expert_model_parallel_group()
-            names = [n for n in params if megatron_moe.expert_index(n) is not None]
-            mine = [params[n] for n in names]
-            flat = torch._utils._flatten_dense_tensors(mine)
-            every = [torch.empty_like(flat) for _ in range(self.parallel.ep)]
-            torch.distributed.all_gather(every, flat, group=group)
-            per_rank = [
-                dict(zip(names, torch._utils._unflatten_dense_tensors(f, mine), strict=True))
-                for f in every
-            ]
-            per_rank[0].update({n: t for n, t in params.items() if n not in per_rank[0]})
-            params = megatron_moe.unshard_experts(self.moe, per_rank)
-        return megatron_moe.megatron_to_hf(self.moe, params)
+        return megatron_moe.to_hf_gathered(self.moe, params, self.parallel.ep)
 
     def _import_hf(self, hf: dict[str, torch.Tensor]) -> None:
         mapped = self._local_parts(self._to_megatron(hf))
