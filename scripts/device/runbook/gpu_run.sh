@@ -64,14 +64,16 @@ export OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT" /tmp/site /tmp/w /tmp/models
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@"; }
 pytest_gpu() { python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -q -rA "$@"; }
-if [ "$stage" != setup1 ] && [ ! -d /tmp/site/megatron ]; then
+if [ "$stage" != setup1 ] && [ "$stage" != setup2 ] && [ ! -d /tmp/site/megatron ]; then
   echo "machine lost (no /tmp/site/megatron): start again at setup1" >&2; exit 3
 fi
 case "$stage" in
-  setup1)
-    cp .w1/vllm.part0 /tmp/w/ && pip_target .w1/megatron_core*.whl
+  setup1)   # the megatron-core wheel rides in .w1, or in .w2 when the tree leaves .w1 no room
+    cp .w1/vllm.part0 /tmp/w/
+    if ls .w1/megatron_core*.whl >/dev/null 2>&1; then pip_target .w1/megatron_core*.whl; fi
     nvidia-smi --query-gpu=name,memory.total --format=csv ;;
   setup2)
+    if ls .w2/megatron_core*.whl >/dev/null 2>&1; then pip_target .w2/megatron_core*.whl; fi
     cat /tmp/w/vllm.part0 .w2/vllm.part1 > /tmp/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
     pip_target /tmp/w/vllm-0.26.0-*.whl .w2/deps/*.whl
     sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' /tmp/site/vllm/vllm_flash_attn/__init__.py
