@@ -19,8 +19,8 @@ pytest.importorskip("megatron.core")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from build_random_qwen3 import build  # noqa: E402  (on the path through gpu_figures)
-from gpu_figures import ADAM, batch, logprob_gaps, record  # noqa: E402
+from gpu_figures import ADAM, batch, logprob_gaps, record  # noqa: E402  (puts the runbook on the path)
+from build_random_qwen3 import build  # noqa: E402, I001
 
 from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
 from oneloop.backends.megatron_local.engines.hf import fuse_experts  # noqa: E402
