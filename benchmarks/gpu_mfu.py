@@ -1,7 +1,8 @@
 """Megatron trainer MFU, speed-up by speed-up, side by side in one run on one GPU.
 
 `--shape 30b-a3b-4l`: the 4-layer Qwen3-30B-A3B-width MoE (MFU on active parameters), e.g.
-`--variants all,torch` for the megatron MoE engine vs the torch engine on the same model.
+`--variants all,all_sequential_experts,torch`: the megatron MoE engine with grouped-GEMM experts,
+with megatron-core's SequentialMLP experts, and the torch engine, on the same model.
 
 Random Qwen3 of the 1.7 B shape at seq 4096 (batch 4), `forward_backward` (cross_entropy, Tinker's
 loss, through the engine contract) + `optim_step`, per variant: the engine as first built
@@ -67,6 +68,7 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     "all_flash": ("megatron", replace(ALL, attention_backend="flash"), 4),
     "all_eager_logprobs": ("megatron", replace(ALL, compile_logprobs=False), 4),
     "all_nocompile": ("megatron", replace(ALL, compile_logprobs=False, swiglu_fusion=False), 4),
+    "all_sequential_experts": ("megatron", replace(ALL, grouped_experts=False), 4),  # MoE shapes
 }
 
 

@@ -52,6 +52,8 @@ class MegatronSpeedSettings(_Strict):
     layer_spec: Literal["auto", "te", "local"] = "auto"
     """Layer spec: `te` = TransformerEngine's (refused where TE is not importable, with LoRA or
     CP), `local` = megatron-core's local spec with SDPA attention, `auto` = TE where usable."""
+    grouped_experts: bool = True
+    """MoE models: each layer's experts as two grouped GEMMs (off: megatron's per-expert loop)."""
 
 
 class MegatronSettings(_Strict):

@@ -114,7 +114,8 @@ case "$stage" in
       > "$OUT/megatron_moe.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/megatron_moe.log" | tail -20
     tail -25 "$OUT/megatron_moe.log"
-    python3 benchmarks/gpu_mfu.py --model-dir /tmp/models --shape 30b-a3b-4l --variants all,torch \
+    python3 benchmarks/gpu_mfu.py --model-dir /tmp/models --shape 30b-a3b-4l \
+      --variants all,all_sequential_experts,torch \
       --profile none --time-budget-s 300 ${MFU_ARGS:-} > "$OUT/mfu_moe.log" 2>&1 || tail -40 "$OUT/mfu_moe.log"
     grep -E "RESULT|Error|error" "$OUT/mfu_moe.log" | tail -12 ;;
   vllm)

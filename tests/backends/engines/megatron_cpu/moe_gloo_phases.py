@@ -8,7 +8,8 @@ The tiny random Qwen3-MoE (`oneloop/tiny-qwen3-moe`, fp32), the same datums and 
   imported, they change its numerics): the torch trainer engine (transformers' Qwen3-MoE), the
   engine the sampler shares its model code with;
 - phase `megatron`, `ref`: the megatron engine in this process (ep = dp = 1): megatron-core's MoE
-  layers built from our `megatron.moe` mapping;
+  layers built from our `megatron.moe` mapping, experts as grouped GEMMs (`grouped_experts`);
+  `sequential`: the same with megatron-core's SequentialMLP experts;
 - `ep2`: `megatron.group.MegatronRayGroup` with dp = 2, ep = 2 (each rank holds half of every
   layer's experts; tokens dispatched all-to-all on gloo) on a local Ray runtime, with a token
   budget small enough that the two replicas get different micro-batch counts (the idle
@@ -131,6 +132,10 @@ def _run(work: Path) -> None:
     common = dict(dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET)
     out: dict = _load_torch(work)
     mega = dict(device="cpu", speed=cm.check_speed(), **common)
+    sequential = dict(mega, speed=cm.check_speed(grouped_experts=False))
+    seq = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **sequential)
+    _train(seq, out, "sequential")
+    del seq
     ref = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
     _train(ref, out, "ref")
     cm.start_ray(2)
@@ -154,7 +159,10 @@ def _run(work: Path) -> None:
     ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
     figures["ep1_loads_ep2_weights_gap"] = _gap(_weights(ref), out["ep2/weights0"])
     figures["optimizer_files"] = sorted(p.name for p in (work / "ckpt_ep2_step1").glob("opt*"))
-    for tag in ("torch", "ep2"):
+    figures["grouped_experts"] = sorted(
+        type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
+    )[:1]
+    for tag in ("torch", "ep2", "sequential"):
         for step in range(2):
             figures[f"{tag}_loss{step}_rel_gap"] = abs(
                 out[f"{tag}/loss{step}"] / out[f"ref/loss{step}"] - 1

@@ -33,6 +33,10 @@ together, side by side on the device); all default on because each is exact up t
   part); the GPTModel is then built with `position_embedding_type="none"`. Positions are
   0..s-1 per row, which is what the engine feeds (right padding, no packing).
 
+- `grouped_experts` (MoE models): every local expert's MLP as two `torch._grouped_mm` calls
+  (`megatron.grouped_experts`) instead of megatron-core's SequentialMLP loop over experts (its
+  grouped GEMM needs TE).
+
 Not available without TE/APEX, so not here: RoPE fusion (TE), gradient-accumulation fusion
 (APEX `fused_weight_gradient_mlp_cuda`), TE's fused norm+linear and precision-aware optimizer.
 """
@@ -64,6 +68,7 @@ class MegatronSpeed:
     attention_backend: AttentionBackend = "auto"
     fused_rope: bool = False
     layer_spec: LayerSpec = "auto"
+    grouped_experts: bool = True
 
     def __post_init__(self) -> None:
         if self.layer_spec not in LAYER_SPECS:
@@ -90,6 +95,7 @@ class MegatronSpeed:
             attention_backend="auto",
             fused_rope=False,
             layer_spec="local",
+            grouped_experts=False,
         )
 
 

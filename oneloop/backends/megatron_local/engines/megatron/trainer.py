@@ -4,12 +4,11 @@ Same contract as `torch.trainer.TorchTrainerEngine` (Tinker losses from `losses`
 tokens, gradients accumulating until `optim_step`, AdamW with every AdamParams field applied each
 step), so the loop, the clients and `oneloop serve` cannot tell the engines apart.
 
-- Model: Qwen3 / Qwen2 / Llama dense decoders and Qwen3-MoE (`qwen3_moe`: megatron-core's MoE
-  layers, `megatron.moe.MoeSettings`: router in fp32, no aux / z loss unless configured, all-to-all
-  dispatch, SequentialMLP experts) from a local Hugging Face directory; weights imported and
-  exported through `megatron.layout` / `megatron.moe` (our mappings; round-trip tested). TransformerEngine's layer
-  spec when TE imports, else Megatron's local spec with the core attention swapped for torch SDPA
-  (the stock local attention materialises the s×s scores: 2.8× slower at seq 4096 on an H200).
+- Model: Qwen3 / Qwen2 / Llama dense decoders and Qwen3-MoE (megatron-core's MoE layers with
+  `megatron.moe.MoeSettings`, experts as grouped GEMMs: `megatron.grouped_experts`) from a local
+  Hugging Face directory; weights mapped by `megatron.layout` / `megatron.moe` (round-trip
+  tested). TE's layer spec when TE imports, else the local spec with torch SDPA as the core
+  attention (the stock one materialises the s×s scores: 2.8× slower at seq 4096 on an H200).
 - Speed without TE (`megatron.speed.MegatronSpeed`, measured by benchmarks/gpu_mfu.py): target
   logprobs from the hidden states (`fused_logprobs`, no fp32 full-vocab logits), bf16 norms,
   SwiGLU fusion, fused AdamW, SDPA backend choice, opt-in RoPE fusion.
@@ -21,18 +20,15 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   distributed optimizer shards its state over them; PP > 1: `parallel.pp.MegatronPpRank` is
   each rank (one pipeline stage, Megatron's schedule); CP > 1: `parallel.cp_rank.MegatronCpRank`
   is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
-  EP > 1 (MoE): the experts of each layer split over the data-parallel ranks (Megatron's
-  expert-parallel groups, all-to-all token dispatch); every replica then runs the same number of
-  micro-batches (idle ones forward and backward one token with no loss), since each micro-batch's
-  dispatch is a collective of the EP group. MoE runs at tp = pp = cp = 1 without LoRA
-  (`moe.check_engine_layout` says why for each).
+  EP > 1 (MoE, tp = pp = cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split
+  over the data-parallel ranks, tokens dispatched all-to-all; replicas with fewer micro-batches run
+  idle ones (one token, no loss), since each dispatch is a collective of the EP group.
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
 - LoRA (rank > 0): `megatron.lora` (the `torch` engine's peft semantics on the fused linears; base
   frozen, DDP and optimizer over the adapters only; the local spec; TP > 1: `parallel.lora_tp`,
-  adapters split like their base linears). Checkpoints of LoRA
-  runs hold the adapter (PEFT directory) instead of the full weights.
+  adapters split like their base linears). LoRA checkpoints hold the adapter (PEFT directory).
 """
 
 import json
@@ -53,6 +49,7 @@ from oneloop.backends.megatron_local.engines.base import (
     TrainerEngine,
 )
 from oneloop.backends.megatron_local.engines.hf import DTYPES, set_threads, token_logprobs
+from oneloop.backends.megatron_local.engines.megatron import grouped_experts
 from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lora
 from oneloop.backends.megatron_local.engines.megatron import moe as megatron_moe
 from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
@@ -282,6 +279,8 @@ class MegatronTrainerEngine(TrainerEngine):
                 qk_layernorm=self.shape.qk_norm,
             )
             spec.submodules.self_attention.submodules.core_attention = self._core_attention()
+            if self.moe is not None and self.speed.grouped_experts:
+                grouped_experts.use_grouped_experts(spec)
         model = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -319,12 +318,14 @@ class MegatronTrainerEngine(TrainerEngine):
         """Full HF weights → this rank's Megatron-layout weights (MoE: its experts only)."""
         if self.moe is None:
             return hf_to_megatron(self.shape, hf)
-        return megatron_moe.to_megatron_rank(self.moe, hf, self.parallel.ep)
+        mega = megatron_moe.to_megatron_rank(self.moe, hf, self.parallel.ep)
+        return grouped_experts.stack(mega) if self.speed.grouped_experts else mega
 
     def _to_hf(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's Megatron-layout weights → full HF weights (MoE at EP > 1: a collective)."""
         if self.moe is None:
             return megatron_to_hf(self.shape, params)
+        params = grouped_experts.unstack(params)  # per-expert names either way
         return megatron_moe.to_hf_gathered(self.moe, params, self.parallel.ep)
 
     def _import_hf(self, hf: dict[str, torch.Tensor]) -> None:
