@@ -76,3 +76,34 @@ def test_experts_shard_over_ep_ranks_and_refuse_an_uneven_split():
     assert len(shards[0]) == len(shards[1]) < len(mega)
     with pytest.raises(ValueError, match=r"local\.megatron\.ep=3"):
         expert_shard(shape, mega, 3, 0)
+
+
+def test_grouped_experts_stack_round_trips_per_expert_names() -> None:
+    """The grouped-GEMM experts' stacked weights hold expert j's SequentialMLP weights at [j]."""
+    import torch
+
+    from oneloop.backends.megatron_local.engines.megatron.grouped_experts import stack, unstack
+
+    gen = torch.Generator().manual_seed(0)
+    mega = {"decoder.layers.0.self_attention.linear_proj.weight": torch.randn(4, 4, generator=gen)}
+    for layer in range(2):
+        for j in range(3):
+            head = f"decoder.layers.{layer}.mlp.experts.local_experts.{j}."
+            mega[head + "linear_fc1.weight"] = torch.randn(6, 4, generator=gen)
+            mega[head + "linear_fc2.weight"] = torch.randn(4, 3, generator=gen)
+    stacked = stack(mega)
+    assert sorted(stacked) == [
+        "decoder.layers.0.mlp.experts.grouped_fc1",
+        "decoder.layers.0.mlp.experts.grouped_fc2",
+        "decoder.layers.0.self_attention.linear_proj.weight",
+        "decoder.layers.1.mlp.experts.grouped_fc1",
+        "decoder.layers.1.mlp.experts.grouped_fc2",
+    ]
+    assert stacked["decoder.layers.1.mlp.experts.grouped_fc1"].shape == (3, 6, 4)
+    assert torch.equal(
+        stacked["decoder.layers.1.mlp.experts.grouped_fc2"][2],
+        mega["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"],
+    )
+    back = unstack(stacked)
+    assert sorted(back) == sorted(mega)
+    assert all(torch.equal(back[k], mega[k]) for k in mega)
