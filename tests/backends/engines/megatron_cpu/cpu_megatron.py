@@ -291,6 +291,31 @@ def run_phases_concurrently(
                 proc.wait()
 
 
+def weights_gap(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    """max |a - b| over every weight (both hold the same names)."""
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))[:6]
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def run_gaps(out: Mapping[str, Any], tags: Iterable[str], steps: int, ref: str = "ref") -> dict:
+    """Each run `tag` against run `ref`, per step (the `_train` figures of a phase script:
+    `{tag}/loss{step}`, `grad_norm`, `lp`, `weights`): loss and grad-norm relative gaps, logprob
+    and weight max abs gaps."""
+    figures: dict = {}
+    for tag in tags:
+        for step in range(steps):
+            mine, base = f"{tag}/", f"{ref}/"
+            for name in ("loss", "grad_norm"):
+                key = f"{name}{step}"
+                figures[f"{tag}_{key}_rel_gap"] = abs(out[mine + key] / out[base + key] - 1)
+            lp = f"lp{step}"
+            gap = np.abs(out[mine + lp] - out[base + lp]).max()
+            figures[f"{tag}_logprob{step}_gap"] = float(gap)
+            w = f"weights{step}"
+            figures[f"{tag}_weights{step}_gap"] = weights_gap(out[mine + w], out[base + w])
+    return figures
+
+
 def max_abs_diff(a: Mapping[str, Any], b: Mapping[str, Any], keys: Iterable[str]) -> float:
     """max |a[k] - b[k]| over every element of every key."""
     return max(float(np.abs(a[k] - b[k]).max()) for k in keys)

@@ -61,11 +61,6 @@ def _train(engine, steps: range, out: dict, tag: str, save: Path | None = None) 
             engine.save_state(save, with_optimizer=True)
 
 
-def _gap(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
-
-
 def _kill_mid_call(engine, rank: int) -> dict:
     """Kill rank `rank`'s actor while a forward_backward runs; how the call failed."""
     import ray
@@ -151,25 +146,15 @@ def _run(work: Path) -> None:
     except ValueError as error:
         figures["dp1_loads_dp2_optimizer"] = str(error)
     ref.load_state(work / "ckpt_dp2_step1", with_optimizer=False)
-    figures["dp1_loads_dp2_weights_gap"] = _gap(_weights(ref), out["dp2/weights0"])
+    figures["dp1_loads_dp2_weights_gap"] = cm.weights_gap(_weights(ref), out["dp2/weights0"])
     for tag in ("dp2", "dp2tp2"):
         for step in range(2):
             figures[f"{tag}_loss{step}"] = out[f"{tag}/loss{step}"]
             figures[f"{tag}_grad_norm{step}"] = out[f"{tag}/grad_norm{step}"]
-            figures[f"{tag}_loss{step}_rel_gap"] = abs(
-                out[f"{tag}/loss{step}"] / out[f"ref/loss{step}"] - 1
-            )
-            figures[f"{tag}_grad_norm{step}_rel_gap"] = abs(
-                out[f"{tag}/grad_norm{step}"] / out[f"ref/grad_norm{step}"] - 1
-            )
-            figures[f"{tag}_logprob{step}_gap"] = float(
-                np.abs(out[f"{tag}/lp{step}"] - out[f"ref/lp{step}"]).max()
-            )
-            figures[f"{tag}_weights{step}_gap"] = _gap(
-                out[f"{tag}/weights{step}"], out[f"ref/weights{step}"]
-            )
-    figures["ref_weights_moved"] = _gap(out["ref/weights1"], _weights_of(model))
-    figures["resumed_weights1_gap_vs_dp2"] = _gap(out["resumed/weights1"], out["dp2/weights1"])
+    figures.update(cm.run_gaps(out, ("dp2", "dp2tp2"), steps=2))
+    figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
+    resumed, uninterrupted = out["resumed/weights1"], out["dp2/weights1"]
+    figures["resumed_weights1_gap_vs_dp2"] = cm.weights_gap(resumed, uninterrupted)
     (work / "figures.json").write_text(json.dumps(figures, indent=1))
 
 

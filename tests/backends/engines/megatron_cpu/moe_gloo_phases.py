@@ -73,11 +73,6 @@ def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
             engine.save_state(save, with_optimizer=True)
 
 
-def _gap(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))[:6]
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
-
-
 def _microbatch_counts(dp: int) -> list[list[int]]:
     """Per step, each replica's micro-batch count (what the idle micro-batches even out)."""
     from oneloop.backends.megatron_local.engines.megatron.data_parallel import dp_shares
@@ -157,26 +152,13 @@ def _run(work: Path) -> None:
     except ValueError as error:
         figures["ep1_loads_ep2_optimizer"] = str(error)
     ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
-    figures["ep1_loads_ep2_weights_gap"] = _gap(_weights(ref), out["ep2/weights0"])
+    figures["ep1_loads_ep2_weights_gap"] = cm.weights_gap(_weights(ref), out["ep2/weights0"])
     figures["optimizer_files"] = sorted(p.name for p in (work / "ckpt_ep2_step1").glob("opt*"))
     figures["grouped_experts"] = sorted(
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
-    for tag in ("torch", "ep2", "sequential"):
-        for step in range(2):
-            figures[f"{tag}_loss{step}_rel_gap"] = abs(
-                out[f"{tag}/loss{step}"] / out[f"ref/loss{step}"] - 1
-            )
-            figures[f"{tag}_grad_norm{step}_rel_gap"] = abs(
-                out[f"{tag}/grad_norm{step}"] / out[f"ref/grad_norm{step}"] - 1
-            )
-            figures[f"{tag}_logprob{step}_gap"] = float(
-                np.abs(out[f"{tag}/lp{step}"] - out[f"ref/lp{step}"]).max()
-            )
-            figures[f"{tag}_weights{step}_gap"] = _gap(
-                out[f"{tag}/weights{step}"], out[f"ref/weights{step}"]
-            )
-    figures["ref_weights_moved"] = _gap(out["ref/weights1"], _weights_of(model))
+    figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential"), steps=2))
+    figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
     (work / "figures.json").write_text(json.dumps(figures, indent=1))
 
