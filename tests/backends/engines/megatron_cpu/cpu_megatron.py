@@ -291,6 +291,31 @@ def run_phases_concurrently(
                 proc.wait()
 
 
+def train_steps(
+    engine,
+    steps: Iterable[int],
+    out: dict,
+    tag: str,
+    *,
+    data: Callable[[int], list],
+    adams: Sequence[dict],
+    weights: Callable[[Any], dict],
+    save: Path | None = None,
+) -> None:
+    """forward_backward (cross_entropy on `data(step)`) + optim_step (`adams[step]`) per step;
+    loss, logprobs, grad norm and `weights(engine)` under `{tag}/...` in `out` (what `run_gaps`
+    compares); `save`: a checkpoint with the optimizer after step 0."""
+    for step in steps:
+        result = engine.forward_backward(data(step), "cross_entropy", None, False)
+        stats = engine.optim_step(adams[step])
+        out[f"{tag}/loss{step}"] = result.loss
+        out[f"{tag}/lp{step}"] = np.concatenate(result.logprobs)
+        out[f"{tag}/grad_norm{step}"] = stats["grad_norm:mean"]
+        out[f"{tag}/weights{step}"] = weights(engine)
+        if save is not None and step == 0:
+            engine.save_state(save, with_optimizer=True)
+
+
 def weights_gap(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
     """max |a - b| over every weight (both hold the same names)."""
     assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))[:6]

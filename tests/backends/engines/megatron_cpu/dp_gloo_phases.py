@@ -48,17 +48,7 @@ def _weights(engine) -> dict[str, np.ndarray]:
 
 
 def _train(engine, steps: range, out: dict, tag: str, save: Path | None = None) -> None:
-    """forward_backward + optim_step per step of `steps`; figures under `tag`; `save`: a
-    checkpoint with the optimizer after step 0."""
-    for step in steps:
-        result = engine.forward_backward(_data(step), "cross_entropy", None, False)
-        stats = engine.optim_step(ADAMS[step])
-        out[f"{tag}/loss{step}"] = result.loss
-        out[f"{tag}/lp{step}"] = np.concatenate(result.logprobs)
-        out[f"{tag}/grad_norm{step}"] = stats["grad_norm:mean"]
-        out[f"{tag}/weights{step}"] = _weights(engine)
-        if save is not None and step == 0:
-            engine.save_state(save, with_optimizer=True)
+    cm.train_steps(engine, steps, out, tag, data=_data, adams=ADAMS, weights=_weights, save=save)
 
 
 def _kill_mid_call(engine, rank: int) -> dict:

@@ -62,15 +62,7 @@ def _weights(engine) -> dict[str, np.ndarray]:
 
 
 def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
-    for step in range(2):
-        result = engine.forward_backward(_data(step), "cross_entropy", None, False)
-        stats = engine.optim_step(ADAMS[step])
-        out[f"{tag}/loss{step}"] = result.loss
-        out[f"{tag}/lp{step}"] = np.concatenate(result.logprobs)
-        out[f"{tag}/grad_norm{step}"] = stats["grad_norm:mean"]
-        out[f"{tag}/weights{step}"] = _weights(engine)
-        if save is not None and step == 0:
-            engine.save_state(save, with_optimizer=True)
+    cm.train_steps(engine, range(2), out, tag, data=_data, adams=ADAMS, weights=_weights, save=save)
 
 
 def _microbatch_counts(dp: int) -> list[list[int]]:
