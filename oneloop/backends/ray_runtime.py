@@ -1,5 +1,11 @@
 """Starting the local Ray runtime: loopback only, and a bounded retry of one transient failure.
 
+Own runtime. With no `address` and no `RAY_ADDRESS`, `ray.init()` joins the runtime that `ray
+start` (or `ray.cluster_utils.Cluster`) last recorded in Ray's temp dir, if it still runs (seen in
+CI: a run joined a concurrent two-node test's cluster and failed when that one shut down). A run
+with no address therefore starts its own, always: `address="local"`. Joining a cluster takes an
+address (`local.ray_address`; `auto` for the one `ray start` runs on this node).
+
 Loopback. A runtime this process starts (no `address`, no `RAY_ADDRESS`) is a single-node one,
 and every port it opens (GCS, raylet, object manager, core-worker gRPC servers, the runtime-env
 agent) listens on 127.0.0.1 only: nothing of it is reachable from the network, whatever address
@@ -61,7 +67,8 @@ def _loopback_node() -> Iterator[None]:
 
 def starts_local_runtime(kwargs: dict[str, Any]) -> bool:
     """Whether `ray.init(**kwargs)` starts a new single-node runtime (rather than joining one)."""
-    return kwargs.get("address") is None and not os.environ.get("RAY_ADDRESS")
+    address = kwargs.get("address")
+    return address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
 
 
 def gcs_address(address: str | None) -> tuple[str, int] | None:
@@ -103,7 +110,9 @@ def init_ray(attempts: int = 3, connect_timeout_s: float = 20.0, **kwargs: Any) 
     if ray.is_initialized():
         return
     local = starts_local_runtime(kwargs)
-    if not local:
+    if local:
+        kwargs = {**kwargs, "address": "local"}  # never another process's runtime (docstring)
+    else:
         check_reachable(kwargs.get("address"), connect_timeout_s)
     for attempt in range(1, attempts + 1):
         try:

@@ -28,7 +28,7 @@ GROUP_TIMEOUT_SEC = 300.0
 def ray_runtime():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -85,7 +85,7 @@ def test_lora_run_publishes_adapters_to_vllm_through_ray(tmp_path_factory) -> No
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_gpus=1, include_dashboard=False)
+    ray.init(address="local", num_gpus=1, include_dashboard=False)
     config = BackendConfig(
         backend="local",
         run_dir=tmp_path_factory.mktemp("run"),

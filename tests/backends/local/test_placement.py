@@ -2,8 +2,11 @@
 16-node layouts on a described cluster (test data, no cluster), refusals that name what is short,
 and the planner's trainer bundles agreeing with the rank group's own rule (`group.rank_bundles`)."""
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -202,3 +205,44 @@ def test_an_unreachable_cluster_address_is_refused_at_once():
     assert "Traceback" not in done.stderr
     with pytest.raises(ConfigError, match=r"no Ray cluster answers at 192\.0\.2\.1:6379 .*0\.5 s"):
         check_reachable("192.0.2.1:6379", timeout_s=0.5)  # TEST-NET-1: nothing answers
+
+
+OTHER_RUNTIME = """
+import sys, ray
+ray.init(address="local", num_cpus=1, include_dashboard=False)
+gcs = ray.get_runtime_context().gcs_address
+ray._private.utils.write_ray_address(gcs)  # as `ray start` and ray.cluster_utils.Cluster do
+print(gcs, flush=True)
+sys.stdin.read()  # up until the test closes our stdin
+"""
+OWN_RUNTIME = """
+import ray
+from oneloop.backends.ray_runtime import init_ray
+init_ray(num_cpus=1, include_dashboard=False, configure_logging=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+"""
+
+
+def test_no_address_starts_an_own_runtime_while_another_is_up():
+    """Plain `ray.init()` joins the runtime `ray start` (or a test's `Cluster`) last recorded in
+    Ray's temp dir (CI saw a run join a concurrent two-node test's cluster and die with it);
+    `init_ray` with no address starts a runtime of its own. Both processes get a private Ray temp
+    dir, so the recorded address reaches no other test."""
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are bounded
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": temp}
+    other = subprocess.Popen([sys.executable, "-c", OTHER_RUNTIME], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        other_gcs = other.stdout.readline().strip()
+        assert other_gcs, "the other runtime did not start"
+        own = subprocess.run([sys.executable, "-c", OWN_RUNTIME], capture_output=True, text=True,
+                             timeout=300, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+        assert own.returncode == 0, own.stderr[-3000:]
+        own_gcs = own.stdout.strip().splitlines()[-1]
+        assert own_gcs != other_gcs
+        assert "Found multiple active Ray instances" not in own.stderr
+        assert "Connecting to existing Ray cluster" not in own.stderr
+    finally:
+        other.stdin.close()
+        other.wait(timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)

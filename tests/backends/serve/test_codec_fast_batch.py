@@ -100,7 +100,7 @@ def test_ray_delivers_plain_datums():
     arrays = scan_forward_backward(body).arrays
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
 
         @ray.remote
