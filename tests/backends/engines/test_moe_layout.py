@@ -107,3 +107,92 @@ def test_grouped_experts_stack_round_trips_per_expert_names() -> None:
     back = unstack(stacked)
     assert sorted(back) == sorted(mega)
     assert all(torch.equal(back[k], mega[k]) for k in mega)
+
+
+def test_hybrid_shape_reads_a_multimodal_config_and_partial_rope() -> None:
+    """A Qwen3.5 / 3.6 checkpoint's config keeps the decoder under text_config; the engine's
+    attention figures come from there, RoPE on partial_rotary_factor of each head."""
+    from transformers import Qwen3_5MoeConfig
+
+    from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape
+
+    text = AutoConfig.from_pretrained(build_tiny_model(named_tiny_specs()[TINY_QWEN3_5_MOE]))
+    composite = Qwen3_5MoeConfig(text_config=text.to_dict())
+    for config in (text, composite):
+        shape = DenseShape.from_hf(config)
+        assert shape.hybrid and shape.qk_norm
+        assert shape.rotary_percent == text.rope_parameters["partial_rotary_factor"] < 1
+        assert (shape.heads, shape.head_dim) == (text.num_attention_heads, text.head_dim)
+        assert HybridShape.from_hf(config).layer_types == tuple(text.layer_types)
+
+
+def test_multimodal_checkpoint_names_round_trip() -> None:
+    """`model.language_model.` is the decoder; the vision tower and MTP head are not trained and
+    the trained weights go back under the checkpoint's own names."""
+    from oneloop.backends.megatron_local.engines.megatron.hybrid import (
+        checkpoint_weights,
+        text_weights,
+    )
+
+    t = torch.zeros(1)
+    names = (
+        "model.language_model.layers.0.mlp.gate.weight",
+        "model.language_model.norm.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
+        "mtp.fc.weight",
+        "lm_head.weight",
+    )
+    hf = dict.fromkeys(names, t)
+    text = text_weights(hf)
+    assert sorted(text) == ["lm_head.weight", "model.layers.0.mlp.gate.weight", "model.norm.weight"]
+    back = checkpoint_weights(text, composite=True)
+    assert sorted(back) == sorted(k for k in hf if not k.startswith(("model.visual", "mtp.")))
+    plain = {"model.layers.0.mlp.gate.weight": t}
+    assert text_weights(plain) is plain and checkpoint_weights(plain, composite=False) is plain
+
+
+def test_hybrid_transformer_fields_and_refusals() -> None:
+    from oneloop.backends.megatron_local.engines.megatron.hybrid import (
+        check_speed,
+        transformer_fields,
+    )
+    from oneloop.backends.megatron_local.engines.megatron.moe import check_engine_layout
+    from oneloop.errors import CapabilityError
+
+    moe, _ = _checkpoint(TINY_QWEN3_5_MOE)
+    dense, _ = _checkpoint(TINY_QWEN3_5)
+    fields = transformer_fields(moe, MoeSettings(), 2, cpu=True)
+    assert fields["linear_attention_freq"] == [
+        int(k == "linear_attention") for k in moe.layer_types
+    ]
+    assert fields["num_moe_experts"] == moe.experts and fields["expert_model_parallel_size"] == 2
+    assert fields["layernorm_zero_centered_gamma"] and fields["attention_output_gate"]
+    assert fields["deterministic_mode"] and not fields["perform_initialization"]
+    assert not transformer_fields(dense, MoeSettings(), 1, cpu=False)["deterministic_mode"]
+    assert "num_moe_experts" not in transformer_fields(dense, MoeSettings(), 1, cpu=False)
+    assert transformer_fields(None, MoeSettings(), 1, cpu=True) == {}
+    sizes = dict(tp=1, pp=1, cp=1, ep=1, dp=1, lora_rank=0)
+    check_engine_layout(dense, **sizes)
+    for field, value in (("tp", 2), ("pp", 2), ("cp", 2), ("lora_rank", 8)):
+        with pytest.raises(CapabilityError, match=rf"{field}={value} with the hybrid model"):
+            check_engine_layout(dense, **{**sizes, field: value})
+    with pytest.raises(ValueError, match="ep=2: must divide the model's 0 experts"):
+        check_engine_layout(dense, **{**sizes, "ep": 2, "dp": 2})
+    with pytest.raises(CapabilityError, match="fused_rope=true"):
+        check_speed(fused_rope=True)
+
+
+def test_fused_expert_checkpoints_split_per_expert() -> None:
+    """A checkpoint storing each layer's experts fused reads as the per-expert one; a fused
+    tensor of another shape is refused naming it."""
+    from oneloop.backends.megatron_local.engines.hf import fuse_experts, split_experts
+    from oneloop.backends.megatron_local.engines.megatron.hybrid import text_weights
+
+    _, hf = _checkpoint(TINY_QWEN3_5_MOE)
+    fused = fuse_experts(hf)
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)
+    back = text_weights(fused)
+    assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    name = next(k for k in fused if k.endswith("gate_up_proj"))
+    with pytest.raises(ValueError, match=f"{name}: expected"):
+        split_experts({**fused, name: fused[name].transpose(1, 2)})

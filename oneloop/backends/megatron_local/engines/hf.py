@@ -66,6 +66,29 @@ def fuse_experts(weights: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def split_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `fuse_experts`: a checkpoint that stores each layer's experts fused
+    (`...mlp.experts.gate_up_proj` [E, 2F, H], `...mlp.experts.down_proj` [E, H, F]) → per-expert
+    checkpoint names; every other name as it is. No fused expert tensor: `weights`."""
+    fused = [n for n in weights if n.endswith(".mlp.experts.gate_up_proj")]
+    if not fused:
+        return weights
+    out = dict(weights)
+    for name in fused:
+        head = name[: -len(".gate_up_proj")]
+        gate_up, down = out.pop(name), out.pop(f"{head}.down_proj")
+        if gate_up.dim() != 3 or down.shape[:2] != (gate_up.shape[0], gate_up.shape[2]):
+            raise ValueError(f"{name}: expected [experts, 2·ffn, hidden] with {head}.down_proj "
+                             f"[experts, hidden, ffn]; got {tuple(gate_up.shape)} and "
+                             f"{tuple(down.shape)}")  # fmt: skip
+        for j in range(gate_up.shape[0]):
+            gate, up = gate_up[j].chunk(2)
+            out[f"{head}.{j}.gate_proj.weight"] = gate
+            out[f"{head}.{j}.up_proj.weight"] = up
+            out[f"{head}.{j}.down_proj.weight"] = down[j]
+    return out
+
+
 def untie_embeddings(model: PreTrainedModel) -> PreTrainedModel:
     """Give `lm_head` its own copy of tied input embeddings.
 

@@ -124,6 +124,23 @@ def gloo_all_to_all() -> None:
     torch.distributed.all_to_all_single = gloo_all_to_all_single
 
 
+def gdn_without_fla() -> None:
+    """Let megatron-core's Gated DeltaNet run on CPU (idempotent). With `deterministic_mode` (the
+    engine sets it on CPU) it uses its torch chunked delta rule and `F.conv1d`, but it still
+    refuses to build without flash-linear-attention (`HAVE_FLA`) and calls fla's Triton `l2norm`
+    on q and k; this stands in the same formula as fla and transformers (x · rsqrt(Σx² + 1e-6))."""
+    if "gdn" in _installed:
+        return
+    _installed.add("gdn")
+    from megatron.core.ssm.gated_delta_net import common
+
+    def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+    common.HAVE_FLA = True
+    common.l2norm = l2norm
+
+
 def tiny_qwen3(directory: Path, *, layers: int = 2, tied: bool = True) -> Path:
     """A random Qwen3 (GQA, QK-norm; seed 0) saved in HF form in `directory`, once."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -65,9 +65,14 @@ def _module_class():
 
 def use_grouped_experts(spec) -> None:
     """Swap SequentialMLP for `GroupedExperts` in a local GPT layer spec built with experts."""
-    mlp = spec.submodules.mlp
+    spec.submodules.mlp = with_grouped_experts(spec.submodules.mlp)
+
+
+def with_grouped_experts(mlp):
+    """A megatron-core MoE module spec (`partial(MoELayer, submodules=...)`) with
+    `GroupedExperts` as its experts."""
     submodules = mlp.keywords["submodules"]
-    spec.submodules.mlp = functools.partial(
+    return functools.partial(
         mlp.func,
         *mlp.args,
         **{**mlp.keywords, "submodules": replace(submodules, experts=_module_class())},

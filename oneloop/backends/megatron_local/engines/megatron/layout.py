@@ -44,25 +44,33 @@ class DenseShape:
     rms_eps: float
     max_positions: int
 
+    rotary_percent: float = 1.0
+    """The share of each head's dimensions RoPE rotates (Qwen3.5: partial_rotary_factor 0.25)."""
+
+    @property
+    def hybrid(self) -> bool:
+        """Gated DeltaNet hybrid layers (`megatron.hybrid`)."""
+        return self.model_type in HYBRID_TYPES
+
     @classmethod
     def from_hf(cls, config: Any) -> "DenseShape":
+        # a multimodal Qwen3.5 / 3.6 checkpoint keeps its decoder's figures under text_config
+        config = getattr(config, "text_config", None) or config
         model_type = getattr(config, "model_type", "?")
-        if model_type in HYBRID_TYPES:
-            raise ValueError(
-                f"trainer_engine=megatron: model_type={model_type!r} has Gated DeltaNet hybrid "
-                "layers, which this engine does not build yet (the torch engine trains them: "
-                "backend.local.trainer_engine=torch)"
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES + MOE_ATTENTION_TYPES:
+        if model_type not in SUPPORTED_MODEL_TYPES + MOE_ATTENTION_TYPES + HYBRID_TYPES:
             raise ValueError(
                 f"trainer_engine=megatron supports model_type "
-                f"{SUPPORTED_MODEL_TYPES + MOE_ATTENTION_TYPES}; this config has "
+                f"{SUPPORTED_MODEL_TYPES + MOE_ATTENTION_TYPES + HYBRID_TYPES}; this config has "
                 f"model_type={model_type!r} (use trainer_engine=torch)"
             )
         heads = int(config.num_attention_heads)
+        rope_parameters = getattr(config, "rope_parameters", None) or {}
         rope = getattr(config, "rope_theta", None)
         if rope is None:  # transformers >= 5 keeps it under rope_parameters
-            rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+            rope = rope_parameters.get("rope_theta", 10000.0)
+        rotary = getattr(config, "partial_rotary_factor", None)
+        if rotary is None:
+            rotary = rope_parameters.get("partial_rotary_factor", 1.0)
         return cls(
             model_type=model_type,
             layers=int(config.num_hidden_layers),
@@ -74,10 +82,11 @@ class DenseShape:
             vocab=int(config.vocab_size),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES,
             rope_theta=float(rope),
             rms_eps=float(config.rms_norm_eps),
             max_positions=int(config.max_position_embeddings),
+            rotary_percent=float(rotary),
         )
 
 

@@ -337,31 +337,33 @@ def expert_shard(
 def check_engine_layout(
     shape: HybridShape, *, tp: int, pp: int, cp: int, ep: int, dp: int, lora_rank: int
 ) -> None:
-    """What the megatron engine builds for a MoE model, else CapabilityError naming the field:
-    experts split by `ep` over the data-parallel ranks (ep divides dp), no TP / PP / CP split of a
-    MoE model yet, no LoRA on expert weights."""
+    """What the megatron engine builds for a MoE or hybrid model, else CapabilityError naming the
+    field: experts split by `ep` over the data-parallel ranks (ep divides dp), no TP / PP / CP
+    split of these models yet, no LoRA on their layers."""
     from oneloop.errors import CapabilityError
 
     shape.check_ep(ep)
     refused = [
         (f"local.megatron.{name}={size}", why)
         for name, size, why in (
-            ("tp", tp, "experts are split by ep, not tp"),
-            ("pp", pp, "pipeline stages of MoE layers are not built yet"),
+            ("tp", tp, "experts are split by ep, not tp; the Gated DeltaNet tensors' TP shards "
+             "are not mapped yet"),
+            ("pp", pp, "pipeline stages of MoE and hybrid layers are not built yet"),
             ("cp", cp, "context parallelism runs the dense families' attention only"),
         )
         if size > 1
     ]
     if lora_rank > 0:
-        refused.append((f"model.lora_rank={lora_rank}", "LoRA adapters on expert weights are "
-                        "not built on the megatron engine (the torch engine trains them)"))
+        refused.append((f"model.lora_rank={lora_rank}", "LoRA adapters on MoE and hybrid layers "
+                        "are not built on the megatron engine (the torch engine trains them)"))
     if ep > 1 and dp % ep:
         refused.append((f"local.megatron.ep={ep}", f"expert-parallel ranks are carved out of the "
                         f"data-parallel ranks; dp={dp} is not a multiple of it"))
     if refused:
         field, why = refused[0]
         raise CapabilityError(
-            f"{field} with the MoE model {shape.model_type!r} on trainer_engine=megatron: {why}"
+            f"{field} with the {'MoE' if shape.experts else 'hybrid'} model "
+            f"{shape.model_type!r} on trainer_engine=megatron: {why}"
         )
 
 

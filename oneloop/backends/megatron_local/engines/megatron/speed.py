@@ -114,8 +114,8 @@ def use_te(
             ("LoRA runs on the local spec (the adapter reads the normed input that TE's fused "
              "norm + linear never exposes)", lora_rank > 0),
             ("context parallelism runs on our SDPA attention (parallel.cp)", cp > 1),
-            ("MoE models run on the local spec (SequentialMLP experts, our `megatron.moe` "
-             "mapping; TE's grouped-GEMM expert names are not mapped)", moe),
+            ("MoE and hybrid models run on the local spec (our `megatron.moe` mapping; TE's "
+             "grouped-GEMM expert and fused-norm names are not mapped)", moe),
         )
         if applies
     ]  # fmt: skip

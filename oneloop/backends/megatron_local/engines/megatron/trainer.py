@@ -4,9 +4,9 @@ Same contract as `torch.trainer.TorchTrainerEngine` (Tinker losses from `losses`
 tokens, gradients accumulating until `optim_step`, AdamW with every AdamParams field applied each
 step), so the loop, the clients and `oneloop serve` cannot tell the engines apart.
 
-- Model: Qwen3 / Qwen2 / Llama dense decoders and Qwen3-MoE (megatron-core's MoE layers with
-  `megatron.moe.MoeSettings`, experts as grouped GEMMs: `megatron.grouped_experts`) from a local
-  Hugging Face directory; weights mapped by `megatron.layout` / `megatron.moe` (round-trip
+- Model: Qwen3 / Qwen2 / Llama dense, Qwen3-MoE (megatron-core's MoE layers, `moe.MoeSettings`,
+  experts as grouped GEMMs: `grouped_experts`) and the Qwen3.5 / 3.6 Gated DeltaNet hybrids
+  (`megatron.hybrid`) from a local HF directory; weights mapped by `layout` / `moe` (round-trip
   tested). TE's layer spec when TE imports, else the local spec with torch SDPA as the core
   attention (the stock one materialises the s×s scores: 2.8× slower at seq 4096 on an H200).
 - Speed without TE (`megatron.speed.MegatronSpeed`, measured by benchmarks/gpu_mfu.py): target
@@ -49,7 +49,7 @@ from oneloop.backends.megatron_local.engines.base import (
     TrainerEngine,
 )
 from oneloop.backends.megatron_local.engines.hf import DTYPES, set_threads, token_logprobs
-from oneloop.backends.megatron_local.engines.megatron import grouped_experts
+from oneloop.backends.megatron_local.engines.megatron import grouped_experts, hybrid
 from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lora
 from oneloop.backends.megatron_local.engines.megatron import moe as megatron_moe
 from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
@@ -187,8 +187,8 @@ class MegatronTrainerEngine(TrainerEngine):
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         hf_config = AutoConfig.from_pretrained(str(model_path))
         self.shape = DenseShape.from_hf(hf_config)  # the attention's figures (MoE included)
-        self.moe: megatron_moe.HybridShape | None = None  # the experts' (MoE families)
-        if self.shape.model_type in MOE_ATTENTION_TYPES:
+        self.moe: megatron_moe.HybridShape | None = None  # MoE / hybrid families' layers
+        if self.shape.model_type in MOE_ATTENTION_TYPES or self.shape.hybrid:
             self.moe = megatron_moe.HybridShape.from_hf(hf_config)
             p = self.parallel
             megatron_moe.check_engine_layout(
@@ -252,17 +252,10 @@ class MegatronTrainerEngine(TrainerEngine):
             use_cpu_initialization=self.device.type != "cuda",
             # DP: Megatron's DDP sums the replicas' gradients instead of averaging (Tinker's sums)
             calculate_per_token_loss=self.parallel.dp > 1,
-            **self._moe_config(),
+            **hybrid.transformer_fields(
+                self.moe, self.moe_settings, self.parallel.ep, cpu=self.device.type == "cpu"
+            ),
         )
-
-    def _moe_config(self) -> dict:
-        """The MoE fields of the TransformerConfig (none for a dense model)."""
-        if self.moe is None:
-            return {}
-        return {
-            **self.moe_settings.transformer_config_kwargs(self.moe),
-            "expert_model_parallel_size": self.parallel.ep,
-        }
 
     def _build_model(self):
         from megatron.core.models.gpt import GPTModel
@@ -271,6 +264,9 @@ class MegatronTrainerEngine(TrainerEngine):
         self.config = self._transformer_config()
         if self.te:
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm)
+        elif self.shape.hybrid:
+            hybrid.check_speed(self.speed.fused_rope)
+            spec = hybrid.block_spec(self.moe, self._core_attention(), self.speed.grouped_experts)
         else:
             spec = specs.get_gpt_layer_local_spec(
                 num_experts=self.moe.experts if self.moe else None,
@@ -292,6 +288,7 @@ class MegatronTrainerEngine(TrainerEngine):
             # fused_rope: the SDPA core attention applies RoPE itself (megatron_speed)
             position_embedding_type="none" if self.speed.fused_rope and not self.te else "rope",
             rotary_base=int(self.shape.rope_theta),
+            rotary_percent=self.shape.rotary_percent,
         )
         if self.speed.bf16_norms:
             megatron_speed.cast_norms(model, self.dtype)
@@ -318,6 +315,8 @@ class MegatronTrainerEngine(TrainerEngine):
         """Full HF weights → this rank's Megatron-layout weights (MoE: its experts only)."""
         if self.moe is None:
             return hf_to_megatron(self.shape, hf)
+        self.composite = any(n.startswith(hybrid.COMPOSITE_PREFIX) for n in hf)
+        hf = hybrid.text_weights(hf)  # a multimodal or fused-expert checkpoint's decoder
         mega = megatron_moe.to_megatron_rank(self.moe, hf, self.parallel.ep)
         return grouped_experts.stack(mega) if self.speed.grouped_experts else mega
 
@@ -326,7 +325,8 @@ class MegatronTrainerEngine(TrainerEngine):
         if self.moe is None:
             return megatron_to_hf(self.shape, params)
         params = grouped_experts.unstack(params)  # per-expert names either way
-        return megatron_moe.to_hf_gathered(self.moe, params, self.parallel.ep)
+        hf = megatron_moe.to_hf_gathered(self.moe, params, self.parallel.ep)
+        return hybrid.checkpoint_weights(hf, self.composite)
 
     def _import_hf(self, hf: dict[str, torch.Tensor]) -> None:
         mapped = self._local_parts(self._to_megatron(hf))
@@ -346,8 +346,7 @@ class MegatronTrainerEngine(TrainerEngine):
                     )
                 param.copy_(src.to(param.device, param.dtype))
 
-    def _stage(self) -> dict[str, bool]:
-        """GPTModel's pipeline-stage flags (one stage here; PP: megatron.parallel.pp)."""
+    def _stage(self) -> dict[str, bool]:  # GPTModel's: one stage here (PP: parallel.pp)
         return {"pre_process": True, "post_process": True}
 
     def _local_parts(self, mapped: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,167 @@
+"""The phases of the megatron hybrid check (test_megatron_hybrid_gloo): Qwen3.5 / 3.6 on the engine.
+
+    cd tests/backends/engines/megatron_cpu
+    ../../../../.venv/bin/python hybrid_gloo_phases.py --phase torch --work DIR
+    ../../../../.venv/bin/python hybrid_gloo_phases.py --phase megatron --work DIR
+
+Two tiny random hybrids: `oneloop/tiny-qwen3.5-moe` (3 Gated DeltaNet layers and 1 gated full-
+attention layer, each with 8 experts top-2 and a gated shared expert) and `oneloop/tiny-qwen3.5`
+(the same layers with a dense MLP), fp32. A tiny random model starts its zero-centred norms at 0,
+its GDN output norm at 1: phase `torch` first moves every norm, A_log, dt_bias and router weight by
+random amounts (a wrong norm mapping would then show), writes the models to DIR, and trains them on
+the torch trainer engine (transformers' modules, the ones the sampler runs; its own process, without
+the CUDA-on-CPU shims). Phase `megatron` trains the same models on the megatron engine: megatron-
+core's GatedDeltaNet (its torch delta rule on CPU), gated attention and MoE layers from
+`megatron.hybrid`; the MoE model also as a Ray group of dp = 2 × ep = 2 ranks on gloo, whose
+checkpoint (after step 1) loads at ep = 1. Two optim_steps; figures to DIR/figures.json.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import cpu_megatron as cm
+import numpy as np
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's GDN fusers compile: ~30 s per run
+if __name__ != "__main__" or "torch" not in sys.argv:  # the megatron phase and its rank actors
+    cm.cuda_calls_on_cpu(allocations=True)
+    cm.gloo_all_to_all()
+    cm.gdn_without_fla()
+
+ADAMS = [
+    dict(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.0),
+    dict(learning_rate=5e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip_norm=1.0),
+]  # fmt: skip
+# Step 1 holds a sequence past 64 tokens: two chunks of the chunked delta rule.
+LENGTHS = ((70, 13, 7, 16, 9, 11), (18, 5, 12, 66, 10, 8))
+BUDGET = 96  # padded tokens per micro-batch: several per replica
+MODELS = ("qwen3.5-moe", "qwen3.5")
+
+
+def _data(step: int) -> list:
+    """Random datums without token 0, the tiny models' pad_token_id (transformers' embedding
+    freezes that row, megatron's trains it)."""
+    data = cm.random_data(np.random.default_rng(step), LENGTHS[step], cm.ones)
+    for datum in data:
+        datum.tokens[datum.tokens == 0] = 1
+        datum.targets[datum.targets == 0] = 1
+    return data
+
+
+def _weights(engine) -> dict[str, np.ndarray]:
+    """Sampler weights in transformers' module layout (experts fused, as the torch engine's)."""
+    from oneloop.backends.megatron_local.engines.hf import fuse_experts
+
+    weights = fuse_experts(engine.sampler_weights())
+    return {k: np.asarray(v, np.float32).copy() for k, v in weights.items()}
+
+
+def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
+    cm.train_steps(engine, range(2), out, tag, data=_data, adams=ADAMS, weights=_weights, save=save)
+
+
+def _perturbed(name: str, work: Path) -> Path:
+    """The tiny model `name` with its norms, A_log, dt_bias, router and shared-expert gate moved
+    by random amounts (seed 1), in DIR/name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from oneloop.tiny.model import build_tiny_model, named_tiny_specs
+
+    source = build_tiny_model(named_tiny_specs()[f"oneloop/tiny-{name}"])
+    target = work / name
+    shutil.copytree(source, target)
+    weights = load_file(str(target / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    moved = ("norm", "A_log", "dt_bias", "mlp.gate.weight", "shared_expert_gate")
+    for key, tensor in weights.items():
+        if any(part in key for part in moved):
+            weights[key] = tensor + 0.3 * torch.randn(tensor.shape, generator=generator)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def _run_torch(work: Path) -> None:
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
+
+    for name in MODELS:
+        engine = TorchTrainerEngine(
+            _perturbed(name, work), LoraSpec(0), device="cpu", dtype="float32", threads=1,
+            max_tokens_per_microbatch=BUDGET,
+        )  # fmt: skip
+        out: dict = {}
+        _train(engine, out, "torch")
+        flat = {k: v for k, v in out.items() if not isinstance(v, dict)}
+        flat.update(
+            {f"{k}/{n}": w for k, v in out.items() if isinstance(v, dict) for n, w in v.items()}
+        )
+        np.savez(work / f"torch-{name}.npz", **flat)
+
+
+def _load_torch(path: Path) -> dict:
+    out: dict = {}
+    with np.load(path) as saved:
+        for key in saved.files:
+            head, _, name = key.partition("/weights")
+            if name:  # torch/weights0/model.x.weight
+                step, _, weight = name.partition("/")
+                out.setdefault(f"{head}/weights{step}", {})[weight] = saved[key]
+            else:
+                out[key] = saved[key] if saved[key].ndim else float(saved[key])
+    return out
+
+
+def _run(work: Path) -> None:
+    from oneloop.backends.megatron_local.engines.base import LoraSpec
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
+    from oneloop.backends.megatron_local.engines.megatron.trainer import (
+        MegatronParallel,
+        MegatronTrainerEngine,
+    )
+
+    mega = dict(device="cpu", speed=cm.check_speed(), dtype="float32", threads=1,
+                max_tokens_per_microbatch=BUDGET)  # fmt: skip
+    figures: dict = {}
+    for name in MODELS:
+        model, out = work / name, _load_torch(work / f"torch-{name}.npz")
+        ref = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
+        figures[f"{name}/modules"] = sorted(
+            {type(m).__name__ for m in ref.module.modules() if "Delta" in type(m).__name__
+             or type(m).__name__.endswith(("Experts", "RMSNorm"))}
+        )  # fmt: skip
+        _train(ref, out, "ref")
+        tags = ["torch"]
+        if name == "qwen3.5-moe":
+            cm.start_ray(2)
+            ep2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(dp=2, ep=2),
+                                   timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(),
+                                   gpus_per_rank=0, **mega)  # fmt: skip
+            _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
+            ep2.close()
+            tags.append("ep2")
+            ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
+            figures[f"{name}/ep1_loads_ep2_weights_gap"] = cm.weights_gap(
+                _weights(ref), out["ep2/weights0"]
+            )
+        figures.update({f"{name}/{k}": v for k, v in cm.run_gaps(out, tags, steps=2).items()})
+        figures[f"{name}/weights_moved"] = cm.weights_gap(out["ref/weights1"], out["ref/weights0"])
+        del ref
+    (work / "figures.json").write_text(json.dumps(figures, indent=1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--phase", choices=("torch", "megatron"), required=True)
+    parser.add_argument("--work", type=Path, required=True, help="where the figures go")
+    args = parser.parse_args()
+    (_run_torch if args.phase == "torch" else _run)(args.work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Qwen3.5 / 3.6 Gated DeltaNet hybrids on the megatron trainer engine (real megatron-core, CPU,
+gloo, fp32): hybrid_gloo_phases.py trains the tiny hybrid MoE and the tiny hybrid dense model on
+the torch engine (transformers' modules, in a process without the CUDA shims) and on the megatron
+engine (megatron-core's GatedDeltaNet, gated attention and MoE layers, `megatron.hybrid`); the MoE
+one also as dp = 2 × ep = 2 Ray rank actors. Over two optim_steps the engines agree (loss, grad
+norm, logprobs, weights), ep = 2 equals ep = 1, and the ep = 2 checkpoint loads at ep = 1.
+"""
+
+import json
+
+import pytest
+from cpu_megatron import megatron_core_installed, run_phases
+
+pytestmark = [pytest.mark.megatron_cpu, pytest.mark.timeout(900)]
+
+
+def test_megatron_hybrids_match_the_torch_engine(tmp_path) -> None:
+    assert megatron_core_installed(), "megatron-core missing: `uv sync` (group megatron-cpu)"
+    run_phases("hybrid_gloo_phases.py", tmp_path, [["--phase", "torch"], ["--phase", "megatron"]])
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    for key, value in figures.items():
+        print(f"RESULT {key} = {value}")
+    assert figures["qwen3.5-moe/modules"] == [
+        "GatedDeltaNet",
+        "GroupedExperts",
+        "ZeroCenteredRMSNorm",
+    ]
+    assert figures["qwen3.5/modules"] == ["GatedDeltaNet", "ZeroCenteredRMSNorm"]
+    runs = [("qwen3.5-moe", "torch"), ("qwen3.5-moe", "ep2"), ("qwen3.5", "torch")]
+    for name, tag in runs:
+        assert figures[f"{name}/weights_moved"] > 1e-4, figures
+        for step in range(2):
+            key = f"{name}/{tag}_"
+            assert figures[f"{key}loss{step}_rel_gap"] < 1e-6, (name, tag, step, figures)
+            assert figures[f"{key}grad_norm{step}_rel_gap"] < 1e-5, (name, tag, step, figures)
+            assert figures[f"{key}logprob{step}_gap"] < 2e-5, (name, tag, step, figures)
+            # AdamW's first step moves every weight by about lr whatever its gradient's size (see
+            # test_megatron_moe_gloo): 30 % of one step
+            assert figures[f"{key}weights{step}_gap"] < 3e-4, (name, tag, step, figures)
+    assert figures["qwen3.5-moe/ep1_loads_ep2_weights_gap"] == 0.0, figures
