@@ -119,7 +119,8 @@ def local_capabilities(
         full_finetune=True,
         max_lora_rank=max_lora_rank,
         models=frozenset(models),
-        routing_replay=trainer_engine == "torch" and sampler_engine == "torch",
+        # R3: both trainer engines replay; the torch sampler records (vllm's record: not yet)
+        routing_replay=trainer_engine in ("torch", "megatron") and sampler_engine == "torch",
     )
 
 

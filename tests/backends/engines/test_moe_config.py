@@ -20,13 +20,15 @@ def test_routing_replay_runs_on_the_local_torch_engines_with_a_moe_model():
     cfg = load_config("demo-cpu", [REPLAY, f"model.base_model={TINY_QWEN3_MOE}"])
     assert cfg.algo.routing_replay
     assert local_capabilities(8).routing_replay and not TINKER_SERVICE.routing_replay
+    assert local_capabilities(8, trainer_engine="megatron").routing_replay  # megatron.routing
+    load_config("demo-cpu", [REPLAY, f"model.base_model={TINY_QWEN3_MOE}",
+                             "backend.local.trainer_engine=megatron"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["backend.backend=tinker", "model.lora_rank=8"], "not supported by backend 'tinker'"),
-        (["backend.local.trainer_engine=megatron"], "not supported by backend 'local'"),
         (["backend.local.sampler_engine=vllm"], "not supported by backend 'local'"),
         ([f"model.base_model={TINY_QWEN3_5}"], "routing replay needs a mixture-of-experts model"),
         (["model.base_model=oneloop/tiny-qwen3"], "is dense"),

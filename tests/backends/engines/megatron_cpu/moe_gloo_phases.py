@@ -52,6 +52,64 @@ def _data(step: int) -> list:
     return data
 
 
+R3_METRICS = ("positions", "differ", "gap_tokens", "gap_replay", "gap_free")
+
+
+def _r3_data(layers: int, experts: int, k: int) -> list:
+    """Step 1's datums with importance_sampling inputs (sampler logprobs, advantages) and a
+    routing record (distinct random experts per position and layer), some datums recording
+    fewer positions than they feed (the rest route freely)."""
+    import dataclasses
+
+    rng = np.random.default_rng(7)
+
+    def inputs(r: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+        return {"logprobs": -r.uniform(0.5, 4.0, n).astype(np.float32),
+                "advantages": r.normal(0.0, 1.0, n).astype(np.float32)}  # fmt: skip
+
+    data = []
+    for i, datum in enumerate(cm.random_data(rng, LENGTHS[0], inputs)):
+        datum.tokens[datum.tokens == 0] = 1
+        datum.targets[datum.targets == 0] = 1
+        n = len(datum.tokens) - i % 3
+        routing = np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :k].astype(np.int16)
+        data.append(dataclasses.replace(datum, routing=routing))
+    return data
+
+
+def _replay(engine, model: Path, out: dict, tag: str, backward: bool) -> None:
+    """One importance_sampling call on `_r3_data` with routing replay: logprobs, loss and the
+    routing metrics under `{tag}/r3_...`; with `backward`, the grad norm (an lr-0 step)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model))
+    layers, experts, k = config.num_hidden_layers, config.num_experts, config.num_experts_per_tok
+    result = engine.forward_backward(
+        _r3_data(layers, experts, k), "importance_sampling", None, not backward
+    )
+    out[f"{tag}/r3_lp"] = np.concatenate(result.logprobs)
+    out[f"{tag}/r3_loss"] = result.loss
+    for name in R3_METRICS:
+        out[f"{tag}/r3_{name}"] = result.metrics[f"routing/{name}:sum"]
+    if backward:
+        lr0 = dict(ADAMS[0], learning_rate=0.0, weight_decay=0.0)
+        out[f"{tag}/r3_grad_norm"] = engine.optim_step(lr0)["grad_norm:mean"]
+
+
+def _r3_gaps(out: dict, tags: tuple[str, ...]) -> dict:
+    """Each tag's replayed call against the torch engine's."""
+    figures = {}
+    for tag in tags:
+        figures[f"{tag}_r3_logprob_gap"] = float(np.abs(out[f"{tag}/r3_lp"] - out["torch/r3_lp"]).max())
+        figures[f"{tag}_r3_loss_rel_gap"] = abs(out[f"{tag}/r3_loss"] / out["torch/r3_loss"] - 1)
+        for name in R3_METRICS:
+            figures[f"{tag}_r3_{name}"] = [out[f"{tag}/r3_{name}"], out[f"torch/r3_{name}"]]
+        if f"{tag}/r3_grad_norm" in out:
+            ratio = out[f"{tag}/r3_grad_norm"] / out["torch/r3_grad_norm"]
+            figures[f"{tag}_r3_grad_norm_rel_gap"] = abs(ratio - 1)
+    return figures
+
+
 def _weights(engine) -> dict[str, np.ndarray]:
     """Sampler weights in transformers' module layout (the megatron engine exports checkpoint
     names, per expert; the torch engine its fused experts)."""
@@ -83,10 +141,10 @@ def _run_torch(work: Path) -> None:
     from oneloop.tiny.model import TINY_QWEN3_MOE, build_tiny_model, named_tiny_specs
 
     model = build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])
-    engine = TorchTrainerEngine(
-        model, LoraSpec(0), device="cpu", dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET
-    )
+    common = dict(device="cpu", dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET)
     out: dict = {}
+    _replay(TorchTrainerEngine(model, LoraSpec(0), **common), model, out, "torch", backward=True)
+    engine = TorchTrainerEngine(model, LoraSpec(0), **common)
     _train(engine, out, "torch")
     flat = {k: v for k, v in out.items() if not isinstance(v, dict)}
     flat.update({f"{k}/{n}": w for k, v in out.items() if isinstance(v, dict) for n, w in v.items()})
@@ -120,6 +178,9 @@ def _run(work: Path) -> None:
     out: dict = _load_torch(work)
     mega = dict(device="cpu", speed=cm.check_speed(), **common)
     sequential = dict(mega, speed=cm.check_speed(grouped_experts=False))
+    r3 = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
+    _replay(r3, model, out, "ref", backward=True)
+    del r3
     seq = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **sequential)
     _train(seq, out, "sequential")
     del seq
@@ -135,6 +196,7 @@ def _run(work: Path) -> None:
         gpus_per_rank=0,
         **mega,
     )
+    _replay(ep2, model, out, "ep2", backward=False)  # forward only: the next steps start clean
     _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
     ep2.close()
     figures: dict = {"microbatch_counts_dp2": _microbatch_counts(2)}
@@ -150,6 +212,7 @@ def _run(work: Path) -> None:
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
     figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential"), steps=2))
+    figures.update(_r3_gaps(out, ("ref", "ep2")))
     figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
     (work / "figures.json").write_text(json.dumps(figures, indent=1))

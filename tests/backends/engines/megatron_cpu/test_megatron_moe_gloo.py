@@ -7,7 +7,8 @@ SequentialMLP experts alike) and at dp = 2 × ep = 2 as Ray rank actors
 unequal micro-batch counts). Over two optim_steps: megatron equals the torch engine (loss, grad
 norm, logprobs, weights) and ep = 2 equals ep = 1; the ep = 2 checkpoint's weights (experts
 gathered back to HF form) load at ep = 1 and its optimizer state is refused there, naming the
-layouts.
+layouts. Routing replay (R3): a call whose datums carry recorded experts computes with them on the
+megatron engine as on the torch engine, at ep = 1 and ep = 2.
 """
 
 import json
@@ -38,6 +39,21 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
             # size, so a weight whose gradient is near eps moves by a different fraction of lr
             # at 1e-7 relative gradient differences: the bound is 30 % of one step, not 1e-6
             assert figures[f"{tag}_weights{step}_gap"] < 3e-4, (tag, step, figures)
+    # Routing replay (R3): the datums' recorded experts, on the megatron engine (ep = 1, with a
+    # backward; ep = 2, forward only, replicas with unequal micro-batch counts) as on the torch
+    # engine: logprobs, loss, grad norm and the routing metrics (positions replayed, positions
+    # whose own experts differ, the gap to the sampler's logprobs with and without replay).
+    for tag in ("ref", "ep2"):
+        assert figures[f"{tag}_r3_logprob_gap"] < 2e-5, (tag, figures)
+        assert figures[f"{tag}_r3_loss_rel_gap"] < 1e-6, (tag, figures)
+        positions, torch_positions = figures[f"{tag}_r3_positions"]
+        assert positions == torch_positions > 0, (tag, figures)
+        assert figures[f"{tag}_r3_differ"][0] == figures[f"{tag}_r3_differ"][1] > 0, figures
+        for name in ("gap_tokens", "gap_replay", "gap_free"):
+            mine, theirs = figures[f"{tag}_r3_{name}"]
+            assert abs(mine - theirs) <= 1e-4 * abs(theirs), (tag, name, figures)
+    assert figures["ref_r3_grad_norm_rel_gap"] < 1e-5, figures
+    assert figures["ref_r3_gap_replay"][0] != figures["ref_r3_gap_free"][0], figures  # replayed
     assert figures["ep1_loads_ep2_weights_gap"] == 0.0, figures
     refused = figures["ep1_loads_ep2_optimizer"]
     assert "dp=2 ep=2" in refused and "dp=1 ep=1" in refused, refused

@@ -22,7 +22,8 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
   EP > 1 (MoE, tp = pp = cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split
   over the data-parallel ranks, tokens dispatched all-to-all; replicas with fewer micro-batches run
-  idle ones (one token, no loss), since each dispatch is a collective of the EP group.
+  idle ones (one token, no loss), since each dispatch is a collective of the EP group. R3:
+  `megatron.routing` replays a datum's recorded experts.
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
   AdamW (torch semantics) decays every parameter, so the exemption is switched off.
@@ -31,6 +32,8 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   adapters split like their base linears). LoRA checkpoints hold the adapter (PEFT directory).
 """
 
+import contextlib
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +56,9 @@ from oneloop.backends.megatron_local.engines.megatron import grouped_experts, hy
 from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lora
 from oneloop.backends.megatron_local.engines.megatron import moe as megatron_moe
 from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
+from oneloop.backends.megatron_local.engines.megatron import routing as megatron_routing
 from oneloop.backends.megatron_local.engines.megatron import speed as megatron_speed
+from oneloop.backends.megatron_local.engines.megatron.checkpoint import check_resumable
 from oneloop.backends.megatron_local.engines.megatron.data_parallel import (
     dp_shares,
     merge_shares,
@@ -70,6 +75,7 @@ from oneloop.backends.megatron_local.engines.microbatch import (
     padded_arrays,
     run_microbatches,
 )
+from oneloop.backends.megatron_local.engines.torch.routing import replay_metrics
 from oneloop.backends.megatron_local.ports import free_port
 from oneloop.errors import CapabilityError
 
@@ -424,12 +430,11 @@ class MegatronTrainerEngine(TrainerEngine):
             lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
         )
         if self.parallel.ep > 1:  # each micro-batch's token dispatch is an EP-group collective
-            counts = [
-                len(pack_microbatches([len(data[i].tokens) for i in s], self.max_tokens_per_microbatch))
-                for s in shares
-            ]
+            lengths = [[len(data[i].tokens) for i in share] for share in shares]
+            counts = [len(pack_microbatches(n, self.max_tokens_per_microbatch)) for n in lengths]
+            passes = 1 + megatron_routing.free_pass(data)  # R3's extra forward: a dispatch too
             for _ in range(max(counts) - counts[parallel_state.get_data_parallel_rank()]):
-                self._idle_microbatch(forward_only)
+                self._idle_microbatch(forward_only, passes)
         every: list = [None] * self.parallel.dp
         torch.distributed.all_gather_object(
             every, mine, group=parallel_state.get_data_parallel_group()
@@ -453,32 +458,40 @@ class MegatronTrainerEngine(TrainerEngine):
         self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool
     ) -> tuple["losses.LossResult", np.ndarray]:
         tokens_t, targets_t, mask_t, inputs_t, positions = self._batch_tensors(data)
-        dev = self.device
+        replay = megatron_routing.replay(self.module, data, tokens_t.shape[1])  # R3, or None
         # Right padding under a causal mask: real tokens never attend to the padding after them.
-        with torch.set_grad_enabled(not forward_only):
-            if megatron_speed.fused_logprobs_applies(self.speed, self.module, self.parallel.tp):
-                target_lp = self.model(
-                    input_ids=tokens_t,
-                    position_ids=positions,
-                    attention_mask=None,
-                    output_processor=megatron_speed.logprobs_processor(self.speed, targets_t, dev),
-                )
-            else:
-                logits = self.model(input_ids=tokens_t, position_ids=positions, attention_mask=None)
-                target_lp = self._target_logprobs(logits, targets_t)
+        with torch.set_grad_enabled(not forward_only), replay or contextlib.nullcontext():
+            target_lp = self._logprobs(tokens_t, targets_t, positions)
             result = losses.compute_loss(loss_fn, target_lp, inputs_t, mask_t, config)
             if not forward_only:
                 result.loss.backward()
+        if replay is not None:
+            free = functools.partial(self._logprobs, tokens_t, targets_t, positions)
+            result.metrics.update(
+                replay_metrics(replay.forced, replay.natural, inputs_t, mask_t, target_lp, free)
+            )
         return result, target_lp.detach().float().cpu().numpy()
 
-    def _idle_microbatch(self, forward_only: bool) -> None:
-        """Forward (and backward) one token with no loss: a replica with fewer micro-batches
-        than the others of its expert-parallel group joins their dispatch collectives."""
+    def _logprobs(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor):
+        """Target logprobs [rows, T] of one padded micro-batch."""
+        if megatron_speed.fused_logprobs_applies(self.speed, self.module, self.parallel.tp):
+            out = megatron_speed.logprobs_processor(self.speed, targets, self.device)
+            return self.model(input_ids=tokens, position_ids=positions, attention_mask=None,
+                              output_processor=out)  # fmt: skip
+        logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=None)
+        return self._target_logprobs(logits, targets)
+
+    def _idle_microbatch(self, forward_only: bool, passes: int) -> None:
+        """Forward (and backward) one token with no loss, then `passes` − 1 no-grad forwards: a
+        replica with fewer micro-batches than the others of its EP group joins their dispatches."""
         one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         with torch.set_grad_enabled(not forward_only):
             logits = self.model(input_ids=one, position_ids=one, attention_mask=None)
             if not forward_only:
                 (logits.float().sum() * 0.0).backward()
+        with torch.no_grad():
+            for _ in range(passes - 1):
+                self.model(input_ids=one, position_ids=one, attention_mask=None)
 
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         lr = float(adam_params["learning_rate"])
@@ -557,24 +570,8 @@ class MegatronTrainerEngine(TrainerEngine):
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
         state = json.loads((directory / ENGINE_STATE_FILE).read_text())
         steps, layout = int(state["steps"]), self._layout()
-        saved = {k: int(state.get(k, 1)) for k in layout}
-        if with_optimizer and steps > 0 and saved != layout:  # before anything changes
-            shown = [
-                k for k in layout if k not in ("dp", "ep") or saved[k] != 1 or layout[k] != 1
-            ]
-            sizes = [" ".join(f"{k}={x[k]}" for k in shown) for x in (saved, layout)]
-            raise ValueError(
-                f"{directory}: optimizer state was saved at local.megatron {sizes[0]}, this "
-                f"trainer runs {sizes[1]}; resume at the saved sizes or load the weights only"
-            )
-        saved_spec = state.get("layer_spec", "local")  # written before TE was built: local
-        if with_optimizer and steps > 0 and saved_spec != self._layer_spec():
-            raise ValueError(
-                f"{directory}: optimizer state was saved on the {saved_spec!r} layer spec, this "
-                f"trainer builds {self._layer_spec()!r} (local.megatron.speed.layer_spec): their "
-                "parameters are different modules; set layer_spec to the saved one to resume, or "
-                "load the weights only"
-            )
+        if with_optimizer and steps > 0:  # before anything changes
+            check_resumable(directory, state, layout, self._layer_spec())
         if self.lora:
             self.lora.load(directory)  # the full adapter; group ranks copy their parts
         else:

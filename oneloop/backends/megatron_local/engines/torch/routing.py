@@ -133,3 +133,35 @@ def check_routing(routing: np.ndarray, length: int, layers: int, k: int, experts
         raise ValueError(f"routed_experts: expected integer expert ids, got {routing.dtype}")
     if routing.size and (routing.min() < 0 or routing.max() >= experts):
         raise ValueError(f"routed_experts: expert ids must lie in [0, {experts})")
+
+
+def replay_metrics(
+    forced: torch.Tensor,
+    natural: list[torch.Tensor],
+    inputs: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    target_lp: torch.Tensor,
+    free_logprobs: Callable[[], torch.Tensor],
+) -> dict[str, float]:
+    """One micro-batch's R3 figures, summed (the trainers' `routing/...` metrics): position ×
+    MoE-layer pairs replayed and those whose own expert set (`natural[layer]`, int [tokens, k],
+    in `forced`'s token order) differed; with sampler logprobs in `inputs`, their count and the
+    |trainer − sampler| gap with replay (`target_lp`) and without (`free_logprobs()`, one extra
+    no-grad forward)."""
+    replayed = forced[:, :, 0] >= 0  # [tokens, layers]
+    own = torch.stack(natural, dim=1).cpu().sort(dim=-1).values
+    differ = (own != forced.sort(dim=-1).values).any(dim=-1) & replayed
+    metrics = {
+        "routing/positions:sum": float(replayed.sum()),
+        "routing/differ:sum": float(differ.sum()),
+    }
+    if "logprobs" in inputs:
+        sampled = mask & (inputs["logprobs"] != 0)
+        with torch.no_grad():
+            free = free_logprobs()
+        sampler = inputs["logprobs"]
+        metrics["routing/gap_tokens:sum"] = float(sampled.sum())
+        gap = (target_lp.detach() - sampler).abs() * sampled
+        metrics["routing/gap_replay:sum"] = float(gap.sum())
+        metrics["routing/gap_free:sum"] = float(((free - sampler).abs() * sampled).sum())
+    return metrics

@@ -41,6 +41,7 @@ from oneloop.backends.megatron_local.engines.torch.routing import (
     check_routing,
     forced_routing,
     moe_routers,
+    replay_metrics,
 )
 
 _ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -153,7 +154,6 @@ class TorchTrainerEngine(TrainerEngine):
                 check_routing(datum.routing, len(datum.tokens), layers, k, experts)
         return RouterReplay(self.routers, forced_routing([d.routing for d in data], seq, layers, k))
 
-    @torch.no_grad()
     def _replay_metrics(
         self,
         replay: RouterReplay,
@@ -164,25 +164,12 @@ class TorchTrainerEngine(TrainerEngine):
         target_lp: torch.Tensor,
     ) -> dict[str, float]:
         """Routing agreement and the gap with / without replay (see the module docstring)."""
-        forced = replay.forced
-        replayed = forced[:, :, 0] >= 0  # [positions, layers]
-        natural = torch.stack(replay.natural, dim=1).cpu().sort(dim=-1).values
-        differ = (natural != forced.sort(dim=-1).values).any(dim=-1) & replayed
-        metrics = {
-            "routing/positions:sum": float(replayed.sum()),
-            "routing/differ:sum": float(differ.sum()),
-        }
-        if "logprobs" in inputs:
-            sampled = mask & (inputs["logprobs"] != 0)
+
+        def free() -> torch.Tensor:
             logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
-            free = token_logprobs(logits, targets)
-            sampler = inputs["logprobs"]
-            metrics["routing/gap_tokens:sum"] = float(sampled.sum())
-            metrics["routing/gap_replay:sum"] = float(
-                ((target_lp.detach() - sampler).abs() * sampled).sum()
-            )
-            metrics["routing/gap_free:sum"] = float(((free - sampler).abs() * sampled).sum())
-        return metrics
+            return token_logprobs(logits, targets)
+
+        return replay_metrics(replay.forced, replay.natural, inputs, mask, target_lp, free)
 
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         lr = float(adam_params["learning_rate"])
