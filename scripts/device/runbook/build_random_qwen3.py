@@ -1,6 +1,9 @@
 """Build a random-weight Qwen3 of a real shape on the device (no hub there): `--shape 0.6b|1.7b`,
 or `30b-a3b-4l`: Qwen3-30B-A3B's width (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
-top-8 of width 768, untied) at 4 layers (3.1 B parameters, `qwen3_moe`).
+top-8 of width 768, untied) at 4 layers (3.1 B parameters, `qwen3_moe`), or `35b-a3b-4l`:
+Qwen3.6-35B-A3B's text width (transformers' `Qwen3_5MoeTextConfig` defaults: hidden 2048, 256
+experts top-8 of width 512 and a shared expert, Gated DeltaNet 3 : 1 gated attention, vocabulary
+248,320) at 4 layers (`qwen3_5_moe_text`).
 
 Timings on such a model are representative; its text is not. Writes a Hugging Face directory
 (config, generation config, bf16 safetensors) that every engine loads like a downloaded model.
@@ -10,7 +13,14 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 # Published Qwen3 shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B).
 SHAPES = {
@@ -24,6 +34,11 @@ MOE_SHAPES = {  # config.json of Qwen/Qwen3-30B-A3B, 4 of its 48 layers
                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
 }  # fmt: skip
+HYBRID_SHAPES = {  # Qwen3.6-35B-A3B's text model (the config class defaults), 4 of its 40 layers
+    "35b-a3b-4l": dict(
+        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"]
+    ),
+}
 
 
 def build(shape: str, out: Path, seed: int = 0) -> Path:
@@ -35,6 +50,9 @@ def build(shape: str, out: Path, seed: int = 0) -> Path:
             tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
             **MOE_SHAPES[shape],
         ), Qwen3MoeForCausalLM  # fmt: skip
+    elif shape in HYBRID_SHAPES:
+        config = Qwen3_5MoeTextConfig(tie_word_embeddings=False, **HYBRID_SHAPES[shape])
+        model_class = Qwen3_5MoeForCausalLM
     else:
         config, model_class = _dense_config(shape), Qwen3ForCausalLM
     torch.manual_seed(seed)
@@ -58,7 +76,8 @@ def _dense_config(shape: str) -> Qwen3Config:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="0.6b")
+    shapes = sorted(SHAPES) + sorted(MOE_SHAPES) + sorted(HYBRID_SHAPES)
+    parser.add_argument("--shape", choices=shapes, default="0.6b")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     print(build(args.shape, args.out))

@@ -19,6 +19,8 @@
 #   megatron_moe                     megatron engine on the 4-layer Qwen3-30B-A3B-width MoE vs the
 #                                    torch engine (loss, logprobs, update, save/load), then MFU
 #                                    (active parameters) megatron vs torch at seq 4096
+#   megatron_hybrid carry [".wfla"]  megatron engine on the 4-layer Qwen3.6-35B-A3B-width hybrid vs
+#                                    the torch engine, fp32 (loss, logprobs, grad norm, update)
 #   moe_r3                           after setup_moe: vLLM routed experts (R3) replayed by the torch
 #                                    trainer on a 4-layer Qwen3-30B-A3B-width MoE: gap R3 on < off
 #   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
@@ -118,6 +120,15 @@ case "$stage" in
       --variants all,all_sequential_experts,torch \
       --profile none --time-budget-s 300 ${MFU_ARGS:-} > "$OUT/mfu_moe.log" 2>&1 || tail -40 "$OUT/mfu_moe.log"
     grep -E "RESULT|Error|error" "$OUT/mfu_moe.log" | tail -12 ;;
+  megatron_hybrid)   # carry [".wfla"]: flash-linear-attention, fla-core 0.6.0 and einops wheels
+    # (`pip download --no-deps -d .wfla flash-linear-attention==0.6.0 fla-core==0.6.0 einops`);
+    # megatron hybrid engine vs torch engine, fp32, on the 4-layer Qwen3.6-35B-A3B text width
+    pip_target .wfla/*.whl
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 35b-a3b-4l --out /tmp/models/qwen3.6-35b-a3b-4l
+    ONELOOP_GPU_HYBRID_DIR=/tmp/models/qwen3.6-35b-a3b-4l pytest_gpu tests/gpu/test_megatron_hybrid.py \
+      > "$OUT/megatron_hybrid.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/megatron_hybrid.log" | tail -20
+    tail -25 "$OUT/megatron_hybrid.log" ;;
   vllm)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;

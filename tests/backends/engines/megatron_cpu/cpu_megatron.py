@@ -333,6 +333,106 @@ def train_steps(
             engine.save_state(save, with_optimizer=True)
 
 
+def microbatch_counts(steps: Sequence[Sequence[int]], dp: int, budget: int) -> list[list[int]]:
+    """Per step (its datums' lengths), each data-parallel replica's micro-batch count under the
+    token `budget` (what the megatron engine's idle EP micro-batches even out)."""
+    from oneloop.backends.megatron_local.engines.megatron.data_parallel import dp_shares
+    from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
+
+    return [
+        [len(pack_microbatches([lengths[i] for i in share], budget)) for share in
+         dp_shares(list(lengths), dp)]
+        for lengths in steps
+    ]  # fmt: skip
+
+
+R3_METRICS = ("positions", "differ", "gap_tokens", "gap_replay", "gap_free")
+
+
+def r3_data(lengths: Sequence[int], layers: int, experts: int, k: int) -> list:
+    """Datums of `lengths` with importance_sampling inputs (sampler logprobs, advantages) and a
+    routing record (distinct random experts per position and layer), some datums recording
+    fewer positions than they feed (the rest route freely)."""
+    import dataclasses
+
+    rng = np.random.default_rng(7)
+
+    def inputs(r: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+        return {"logprobs": -r.uniform(0.5, 4.0, n).astype(np.float32),
+                "advantages": r.normal(0.0, 1.0, n).astype(np.float32)}  # fmt: skip
+
+    data = []
+    for i, datum in enumerate(random_data(rng, lengths, inputs)):
+        datum.tokens[datum.tokens == 0] = 1
+        datum.targets[datum.targets == 0] = 1
+        n = len(datum.tokens) - i % 3
+        routing = np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :k].astype(np.int16)
+        data.append(dataclasses.replace(datum, routing=routing))
+    return data
+
+
+def replay_call(
+    engine, model: Path, out: dict, tag: str, lengths: Sequence[int], adam: dict, *,
+    backward: bool,
+) -> None:  # fmt: skip
+    """One importance_sampling call on `r3_data(lengths, ...)` with routing replay: logprobs,
+    loss and the routing metrics under `{tag}/r3_...`; with `backward`, the grad norm (an lr-0
+    step, so the engine's weights stay as they were)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model))
+    layers, experts, k = config.num_hidden_layers, config.num_experts, config.num_experts_per_tok
+    result = engine.forward_backward(
+        r3_data(lengths, layers, experts, k), "importance_sampling", None, not backward
+    )
+    out[f"{tag}/r3_lp"] = np.concatenate(result.logprobs)
+    out[f"{tag}/r3_loss"] = result.loss
+    for name in R3_METRICS:
+        out[f"{tag}/r3_{name}"] = result.metrics[f"routing/{name}:sum"]
+    if backward:
+        lr0 = dict(adam, learning_rate=0.0, weight_decay=0.0)
+        out[f"{tag}/r3_grad_norm"] = engine.optim_step(lr0)["grad_norm:mean"]
+
+
+def r3_gaps(out: dict, tags: tuple[str, ...]) -> dict:
+    """Each tag's replayed call against the torch engine's."""
+    figures = {}
+    for tag in tags:
+        gap = np.abs(out[f"{tag}/r3_lp"] - out["torch/r3_lp"]).max()
+        figures[f"{tag}_r3_logprob_gap"] = float(gap)
+        figures[f"{tag}_r3_loss_rel_gap"] = abs(out[f"{tag}/r3_loss"] / out["torch/r3_loss"] - 1)
+        for name in R3_METRICS:
+            figures[f"{tag}_r3_{name}"] = [out[f"{tag}/r3_{name}"], out[f"torch/r3_{name}"]]
+        if f"{tag}/r3_grad_norm" in out:
+            ratio = out[f"{tag}/r3_grad_norm"] / out["torch/r3_grad_norm"]
+            figures[f"{tag}_r3_grad_norm_rel_gap"] = abs(ratio - 1)
+    return figures
+
+
+def save_run(path: Path, out: Mapping[str, Any]) -> None:
+    """A phase's `train_steps` figures to an .npz (`{tag}/weights{step}` dicts flattened), for a
+    later phase in another process (`load_run`)."""
+    flat = {k: v for k, v in out.items() if not isinstance(v, dict)}
+    for key, weights in out.items():
+        if isinstance(weights, dict):
+            flat.update({f"{key}/{name}": w for name, w in weights.items()})
+    np.savez(path, **flat)
+
+
+def load_run(path: Path) -> dict:
+    """Inverse of `save_run` (scalars back as floats)."""
+    out: dict = {}
+    with np.load(path) as saved:
+        for key in saved.files:
+            head, _, name = key.partition("/weights")
+            if name:  # torch/weights0/model.x.weight
+                step, _, weight = name.partition("/")
+                out.setdefault(f"{head}/weights{step}", {})[weight] = saved[key]
+            else:
+                out[key] = saved[key] if saved[key].ndim else float(saved[key])
+    return out
+
+
 def weights_gap(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
     """max |a - b| over every weight (both hold the same names)."""
     assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))[:6]

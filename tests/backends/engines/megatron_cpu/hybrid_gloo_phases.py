@@ -38,7 +38,7 @@ ADAMS = [
 ]  # fmt: skip
 # Step 1 holds a sequence past 64 tokens: two chunks of the chunked delta rule.
 LENGTHS = ((70, 13, 7, 16, 9, 11), (18, 5, 12, 66, 10, 8))
-BUDGET = 96  # padded tokens per micro-batch: several per replica
+BUDGET = 64  # padded tokens per micro-batch: at dp = 2 the replicas get unequal counts
 MODELS = ("qwen3.5-moe", "qwen3.5")
 
 
@@ -89,31 +89,15 @@ def _run_torch(work: Path) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
+    common = dict(device="cpu", dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET)
     for name in MODELS:
-        engine = TorchTrainerEngine(
-            _perturbed(name, work), LoraSpec(0), device="cpu", dtype="float32", threads=1,
-            max_tokens_per_microbatch=BUDGET,
-        )  # fmt: skip
-        out: dict = {}
+        model, out = _perturbed(name, work), {}
+        if name == "qwen3.5-moe":  # routing replay (R3) through the hybrid's MoE layers
+            replayed = TorchTrainerEngine(model, LoraSpec(0), **common)
+            cm.replay_call(replayed, model, out, "torch", LENGTHS[0], ADAMS[0], backward=True)
+        engine = TorchTrainerEngine(model, LoraSpec(0), **common)
         _train(engine, out, "torch")
-        flat = {k: v for k, v in out.items() if not isinstance(v, dict)}
-        flat.update(
-            {f"{k}/{n}": w for k, v in out.items() if isinstance(v, dict) for n, w in v.items()}
-        )
-        np.savez(work / f"torch-{name}.npz", **flat)
-
-
-def _load_torch(path: Path) -> dict:
-    out: dict = {}
-    with np.load(path) as saved:
-        for key in saved.files:
-            head, _, name = key.partition("/weights")
-            if name:  # torch/weights0/model.x.weight
-                step, _, weight = name.partition("/")
-                out.setdefault(f"{head}/weights{step}", {})[weight] = saved[key]
-            else:
-                out[key] = saved[key] if saved[key].ndim else float(saved[key])
-    return out
+        cm.save_run(work / f"torch-{name}.npz", out)
 
 
 def _run(work: Path) -> None:
@@ -128,7 +112,11 @@ def _run(work: Path) -> None:
                 max_tokens_per_microbatch=BUDGET)  # fmt: skip
     figures: dict = {}
     for name in MODELS:
-        model, out = work / name, _load_torch(work / f"torch-{name}.npz")
+        model, out = work / name, cm.load_run(work / f"torch-{name}.npz")
+        if name == "qwen3.5-moe":
+            r3 = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
+            cm.replay_call(r3, model, out, "ref", LENGTHS[0], ADAMS[0], backward=True)
+            del r3
         ref = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
         figures[f"{name}/modules"] = sorted(
             {type(m).__name__ for m in ref.module.modules() if "Delta" in type(m).__name__
@@ -141,9 +129,12 @@ def _run(work: Path) -> None:
             ep2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(dp=2, ep=2),
                                    timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(),
                                    gpus_per_rank=0, **mega)  # fmt: skip
+            cm.replay_call(ep2, model, out, "ep2", LENGTHS[0], ADAMS[0], backward=False)
             _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
             ep2.close()
             tags.append("ep2")
+            figures.update({f"{name}/{k}": v for k, v in cm.r3_gaps(out, ("ref", "ep2")).items()})
+            figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
             ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
             figures[f"{name}/ep1_loads_ep2_weights_gap"] = cm.weights_gap(
                 _weights(ref), out["ep2/weights0"]

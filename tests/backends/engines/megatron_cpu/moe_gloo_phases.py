@@ -52,64 +52,6 @@ def _data(step: int) -> list:
     return data
 
 
-R3_METRICS = ("positions", "differ", "gap_tokens", "gap_replay", "gap_free")
-
-
-def _r3_data(layers: int, experts: int, k: int) -> list:
-    """Step 1's datums with importance_sampling inputs (sampler logprobs, advantages) and a
-    routing record (distinct random experts per position and layer), some datums recording
-    fewer positions than they feed (the rest route freely)."""
-    import dataclasses
-
-    rng = np.random.default_rng(7)
-
-    def inputs(r: np.random.Generator, n: int) -> dict[str, np.ndarray]:
-        return {"logprobs": -r.uniform(0.5, 4.0, n).astype(np.float32),
-                "advantages": r.normal(0.0, 1.0, n).astype(np.float32)}  # fmt: skip
-
-    data = []
-    for i, datum in enumerate(cm.random_data(rng, LENGTHS[0], inputs)):
-        datum.tokens[datum.tokens == 0] = 1
-        datum.targets[datum.targets == 0] = 1
-        n = len(datum.tokens) - i % 3
-        routing = np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :k].astype(np.int16)
-        data.append(dataclasses.replace(datum, routing=routing))
-    return data
-
-
-def _replay(engine, model: Path, out: dict, tag: str, backward: bool) -> None:
-    """One importance_sampling call on `_r3_data` with routing replay: logprobs, loss and the
-    routing metrics under `{tag}/r3_...`; with `backward`, the grad norm (an lr-0 step)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model))
-    layers, experts, k = config.num_hidden_layers, config.num_experts, config.num_experts_per_tok
-    result = engine.forward_backward(
-        _r3_data(layers, experts, k), "importance_sampling", None, not backward
-    )
-    out[f"{tag}/r3_lp"] = np.concatenate(result.logprobs)
-    out[f"{tag}/r3_loss"] = result.loss
-    for name in R3_METRICS:
-        out[f"{tag}/r3_{name}"] = result.metrics[f"routing/{name}:sum"]
-    if backward:
-        lr0 = dict(ADAMS[0], learning_rate=0.0, weight_decay=0.0)
-        out[f"{tag}/r3_grad_norm"] = engine.optim_step(lr0)["grad_norm:mean"]
-
-
-def _r3_gaps(out: dict, tags: tuple[str, ...]) -> dict:
-    """Each tag's replayed call against the torch engine's."""
-    figures = {}
-    for tag in tags:
-        figures[f"{tag}_r3_logprob_gap"] = float(np.abs(out[f"{tag}/r3_lp"] - out["torch/r3_lp"]).max())
-        figures[f"{tag}_r3_loss_rel_gap"] = abs(out[f"{tag}/r3_loss"] / out["torch/r3_loss"] - 1)
-        for name in R3_METRICS:
-            figures[f"{tag}_r3_{name}"] = [out[f"{tag}/r3_{name}"], out[f"torch/r3_{name}"]]
-        if f"{tag}/r3_grad_norm" in out:
-            ratio = out[f"{tag}/r3_grad_norm"] / out["torch/r3_grad_norm"]
-            figures[f"{tag}_r3_grad_norm_rel_gap"] = abs(ratio - 1)
-    return figures
-
-
 def _weights(engine) -> dict[str, np.ndarray]:
     """Sampler weights in transformers' module layout (the megatron engine exports checkpoint
     names, per expert; the torch engine its fused experts)."""
@@ -123,18 +65,6 @@ def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
     cm.train_steps(engine, range(2), out, tag, data=_data, adams=ADAMS, weights=_weights, save=save)
 
 
-def _microbatch_counts(dp: int) -> list[list[int]]:
-    """Per step, each replica's micro-batch count (what the idle micro-batches even out)."""
-    from oneloop.backends.megatron_local.engines.megatron.data_parallel import dp_shares
-    from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
-
-    return [
-        [len(pack_microbatches([lengths[i] for i in share], BUDGET)) for share in
-         dp_shares(list(lengths), dp)]
-        for lengths in LENGTHS
-    ]  # fmt: skip
-
-
 def _run_torch(work: Path) -> None:
     from oneloop.backends.megatron_local.engines.base import LoraSpec
     from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
@@ -143,25 +73,11 @@ def _run_torch(work: Path) -> None:
     model = build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])
     common = dict(device="cpu", dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET)
     out: dict = {}
-    _replay(TorchTrainerEngine(model, LoraSpec(0), **common), model, out, "torch", backward=True)
+    replayed = TorchTrainerEngine(model, LoraSpec(0), **common)
+    cm.replay_call(replayed, model, out, "torch", LENGTHS[0], ADAMS[0], backward=True)
     engine = TorchTrainerEngine(model, LoraSpec(0), **common)
     _train(engine, out, "torch")
-    flat = {k: v for k, v in out.items() if not isinstance(v, dict)}
-    flat.update({f"{k}/{n}": w for k, v in out.items() if isinstance(v, dict) for n, w in v.items()})
-    np.savez(work / "torch.npz", **flat)
-
-
-def _load_torch(work: Path) -> dict:
-    out: dict = {}
-    with np.load(work / "torch.npz") as saved:
-        for key in saved.files:
-            head, _, name = key.partition("/weights")
-            if name:  # torch/weights0/model.x.weight
-                step, _, weight = name.partition("/")
-                out.setdefault(f"{head}/weights{step}", {})[weight] = saved[key]
-            else:
-                out[key] = saved[key] if saved[key].ndim else float(saved[key])
-    return out
+    cm.save_run(work / "torch.npz", out)
 
 
 def _run(work: Path) -> None:
@@ -175,11 +91,11 @@ def _run(work: Path) -> None:
 
     model = build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])
     common = dict(dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET)
-    out: dict = _load_torch(work)
+    out: dict = cm.load_run(work / "torch.npz")
     mega = dict(device="cpu", speed=cm.check_speed(), **common)
     sequential = dict(mega, speed=cm.check_speed(grouped_experts=False))
     r3 = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
-    _replay(r3, model, out, "ref", backward=True)
+    cm.replay_call(r3, model, out, "ref", LENGTHS[0], ADAMS[0], backward=True)
     del r3
     seq = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **sequential)
     _train(seq, out, "sequential")
@@ -196,10 +112,11 @@ def _run(work: Path) -> None:
         gpus_per_rank=0,
         **mega,
     )
-    _replay(ep2, model, out, "ep2", backward=False)  # forward only: the next steps start clean
+    cm.replay_call(ep2, model, out, "ep2", LENGTHS[0], ADAMS[0], backward=False)  # forward only:
+    # the next steps start clean
     _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
     ep2.close()
-    figures: dict = {"microbatch_counts_dp2": _microbatch_counts(2)}
+    figures: dict = {"microbatch_counts_dp2": cm.microbatch_counts(LENGTHS, 2, BUDGET)}
     try:
         ref.load_state(work / "ckpt_ep2_step1", with_optimizer=True)
         figures["ep1_loads_ep2_optimizer"] = "loaded"
@@ -212,7 +129,7 @@ def _run(work: Path) -> None:
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
     figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential"), steps=2))
-    figures.update(_r3_gaps(out, ("ref", "ep2")))
+    figures.update(cm.r3_gaps(out, ("ref", "ep2")))
     figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
     (work / "figures.json").write_text(json.dumps(figures, indent=1))

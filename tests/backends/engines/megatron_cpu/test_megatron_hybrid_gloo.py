@@ -3,7 +3,8 @@ gloo, fp32): hybrid_gloo_phases.py trains the tiny hybrid MoE and the tiny hybri
 the torch engine (transformers' modules, in a process without the CUDA shims) and on the megatron
 engine (megatron-core's GatedDeltaNet, gated attention and MoE layers, `megatron.hybrid`); the MoE
 one also as dp = 2 × ep = 2 Ray rank actors. Over two optim_steps the engines agree (loss, grad
-norm, logprobs, weights), ep = 2 equals ep = 1, and the ep = 2 checkpoint loads at ep = 1.
+norm, logprobs, weights), ep = 2 equals ep = 1 (replicas with unequal micro-batch counts), and the
+ep = 2 checkpoint loads at ep = 1; routing replay (R3) on the hybrid MoE equals the torch engine's.
 """
 
 import json
@@ -38,3 +39,14 @@ def test_megatron_hybrids_match_the_torch_engine(tmp_path) -> None:
             # test_megatron_moe_gloo): 30 % of one step
             assert figures[f"{key}weights{step}_gap"] < 3e-4, (name, tag, step, figures)
     assert figures["qwen3.5-moe/ep1_loads_ep2_weights_gap"] == 0.0, figures
+    counts = figures["qwen3.5-moe/microbatch_counts_dp2"]
+    assert any(len(set(step)) > 1 for step in counts), counts  # the idle micro-batch path ran
+    # Routing replay (R3) through the hybrid's MoE layers, as in test_megatron_moe_gloo
+    for tag in ("ref", "ep2"):
+        key = f"qwen3.5-moe/{tag}_r3_"
+        assert figures[f"{key}logprob_gap"] < 2e-5, (tag, figures)
+        assert figures[f"{key}loss_rel_gap"] < 1e-6, (tag, figures)
+        for name in ("positions", "differ"):
+            mine, theirs = figures[f"{key}{name}"]
+            assert mine == theirs > 0, (tag, name, figures)
+    assert figures["qwen3.5-moe/ref_r3_grad_norm_rel_gap"] < 1e-5, figures
