@@ -65,3 +65,25 @@ def layer_specs() -> list[str]:
     except ImportError:
         return ["local"]
     return ["local", "te"]
+
+
+def host_weights(weights: dict) -> dict:
+    """Weights (torch or numpy) as fp32 host tensors in transformers' module layout (experts
+    fused, as the torch engine holds them)."""
+    import torch
+
+    from oneloop.backends.megatron_local.engines.hf import fuse_experts
+
+    return {k: torch.as_tensor(v).float().cpu() for k, v in fuse_experts(weights).items()}
+
+
+def update_cosine(before: dict, after_a: dict, after_b: dict) -> float:
+    """Cosine of two engines' updates from the same `before` weights, key by key on the host
+    (a few billion weights never held as one vector)."""
+    dot = norm_a = norm_b = 0.0
+    for k in sorted(before):
+        upd_a, upd_b = (after_a[k] - before[k]).double(), (after_b[k] - before[k]).double()
+        dot += float((upd_a * upd_b).sum())
+        norm_a += float((upd_a * upd_a).sum())
+        norm_b += float((upd_b * upd_b).sum())
+    return dot / (norm_a * norm_b) ** 0.5

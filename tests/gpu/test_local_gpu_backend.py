@@ -83,7 +83,8 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     if ray.is_initialized():
         ray.shutdown()  # each placement starts its own cluster (fresh GPU accounting)
     # Colocated: a cluster of one GPU, so Ray cannot spread the actors over two.
-    ray.init(address="local", num_gpus=1 if placement == "colocated" else 2, include_dashboard=False)
+    gpus = 1 if placement == "colocated" else 2
+    ray.init(address="local", num_gpus=gpus, include_dashboard=False)
     gpus_trainer, gpus_sampler, sync_path = PLACEMENTS[placement]
     name = f"local_gpu_backend_{placement}"
     path = model_dir(tmp_path_factory.mktemp("model"))

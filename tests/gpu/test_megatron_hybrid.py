@@ -24,11 +24,18 @@ pytest.importorskip("fla")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gpu_figures import ADAM, batch, logprob_gaps, record  # noqa: E402  (puts the runbook on the path)
-from build_random_qwen3 import build  # noqa: E402, I001
+
+from gpu_figures import (  # noqa: I001  (first: puts the runbook on the path)
+    ADAM,
+    batch,
+    host_weights,
+    logprob_gaps,
+    record,
+    update_cosine,
+)
+from build_random_qwen3 import build  # noqa: E402
 
 from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
-from oneloop.backends.megatron_local.engines.hf import fuse_experts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 
@@ -37,10 +44,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 def path(tmp_path_factory) -> Path:
     given = os.environ.get("ONELOOP_GPU_HYBRID_DIR")
     return Path(given) if given else build("35b-a3b-4l", tmp_path_factory.mktemp("hybrid"))
-
-
-def _host(weights: dict) -> dict[str, torch.Tensor]:
-    return {k: torch.as_tensor(v).float().cpu() for k, v in fuse_experts(weights).items()}
 
 
 def _free() -> None:
@@ -57,12 +60,12 @@ def test_megatron_hybrid_matches_torch_engine(path) -> None:
     before: dict = {}
     for file in sorted(path.glob("*.safetensors")):
         before.update(load_file(str(file)))
-    before = _host(before)
+    before = host_weights(before)
     data = batch(1, "cross_entropy")
     ref = TorchTrainerEngine(path, LoraSpec(0), dtype="float32", device="cuda")
     b = ref.forward_backward(data, "cross_entropy", None, forward_only=False)
     step_t = ref.optim_step(ADAM)
-    after_t = _host(ref.sampler_weights())
+    after_t = host_weights(ref.sampler_weights())
     del ref
     _free()
     mega = MegatronTrainerEngine(path, LoraSpec(0), dtype="float32", device="cuda")
@@ -70,18 +73,13 @@ def test_megatron_hybrid_matches_torch_engine(path) -> None:
     assert {"GatedDeltaNet", "GroupedExperts", "ZeroCenteredRMSNorm"} <= kinds, kinds
     a = mega.forward_backward(data, "cross_entropy", None, forward_only=False)
     step_m = mega.optim_step(ADAM)
-    after_m = _host(mega.hf_weights())
+    after_m = host_weights(mega.hf_weights())
     del mega
     _free()
     gaps = logprob_gaps(a, b)
     keys = sorted(after_t)
     assert sorted(after_m) == keys
-    dot = norm_m = norm_t = 0.0  # the update's cosine, key by key, on the host
-    for k in keys:
-        upd_m, upd_t = (after_m[k] - before[k]).double(), (after_t[k] - before[k]).double()
-        dot += float((upd_m * upd_t).sum())
-        norm_m += float((upd_m * upd_m).sum())
-        norm_t += float((upd_t * upd_t).sum())
+    cosine = update_cosine(before, after_m, after_t)
     figures = {
         "loss_megatron": a.loss,
         "loss_torch": b.loss,
@@ -90,7 +88,7 @@ def test_megatron_hybrid_matches_torch_engine(path) -> None:
         "logprob_abs_diff_max": float(gaps.max()),
         "grad_norm_megatron": step_m["grad_norm:mean"],
         "grad_norm_torch": step_t["grad_norm:mean"],
-        "update_cosine": dot / (norm_m * norm_t) ** 0.5,
+        "update_cosine": cosine,
     }
     record("megatron_hybrid", figures)
     assert figures["loss_rel_diff"] < 0.01, figures

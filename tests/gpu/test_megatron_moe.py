@@ -20,11 +20,18 @@ pytest.importorskip("megatron.core")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gpu_figures import ADAM, batch, logprob_gaps, record  # noqa: E402  (puts the runbook on the path)
-from build_random_qwen3 import build  # noqa: E402, I001
+
+from gpu_figures import (  # noqa: I001  (first: puts the runbook on the path)
+    ADAM,
+    batch,
+    host_weights,
+    logprob_gaps,
+    record,
+    update_cosine,
+)
+from build_random_qwen3 import build  # noqa: E402
 
 from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
-from oneloop.backends.megatron_local.engines.hf import fuse_experts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 
@@ -33,10 +40,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 def path(tmp_path_factory) -> Path:
     given = os.environ.get("ONELOOP_GPU_MOE_DIR")
     return Path(given) if given else build("30b-a3b-4l", tmp_path_factory.mktemp("moe"))
-
-
-def _host(weights: dict) -> dict[str, torch.Tensor]:
-    return {k: torch.as_tensor(v).float().cpu() for k, v in fuse_experts(weights).items()}
 
 
 def test_megatron_moe_matches_torch_engine(path, tmp_path) -> None:
@@ -48,12 +51,12 @@ def test_megatron_moe_matches_torch_engine(path, tmp_path) -> None:
     before: dict = {}
     for file in sorted(path.glob("*.safetensors")):
         before.update(load_file(str(file)))
-    before = _host(before)
+    before = host_weights(before)
     data = batch(1, "cross_entropy")
     ref = TorchTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
     b = ref.forward_backward(data, "cross_entropy", None, forward_only=False)
     step_t = ref.optim_step(ADAM)
-    after_t = _host(ref.sampler_weights())
+    after_t = host_weights(ref.sampler_weights())
     del ref
     gc.collect()
     torch.cuda.empty_cache()
@@ -63,17 +66,11 @@ def test_megatron_moe_matches_torch_engine(path, tmp_path) -> None:
     assert "SequentialMLP" not in experts, experts  # grouped_experts, the default
     a = mega.forward_backward(data, "cross_entropy", None, forward_only=False)
     step_m = mega.optim_step(ADAM)
-    after_m = _host(mega.hf_weights())
+    after_m = host_weights(mega.hf_weights())
     gaps = logprob_gaps(a, b)
     keys = sorted(after_t)
     assert sorted(after_m) == keys
-    dot = norm_m = norm_t = 0.0  # the update's cosine, key by key (3.1 B weights on the host)
-    for k in keys:
-        upd_m, upd_t = (after_m[k] - before[k]).double(), (after_t[k] - before[k]).double()
-        dot += float((upd_m * upd_t).sum())
-        norm_m += float((upd_m * upd_m).sum())
-        norm_t += float((upd_t * upd_t).sum())
-    cosine = dot / (norm_m * norm_t) ** 0.5
+    cosine = update_cosine(before, after_m, after_t)
     mega.save_state(tmp_path / "ckpt", with_optimizer=True)  # ~44 GB with the optimizer
     del mega
     gc.collect()
@@ -81,7 +78,7 @@ def test_megatron_moe_matches_torch_engine(path, tmp_path) -> None:
     try:
         restored = MegatronTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
         restored.load_state(tmp_path / "ckpt", with_optimizer=True)
-        reloaded = _host(restored.hf_weights())
+        reloaded = host_weights(restored.hf_weights())
     finally:
         shutil.rmtree(tmp_path / "ckpt")  # the device's disk is 64 GB
     figures = {

@@ -409,6 +409,27 @@ def r3_gaps(out: dict, tags: tuple[str, ...]) -> dict:
     return figures
 
 
+def fused_weights(engine) -> dict[str, np.ndarray]:
+    """An engine's sampler weights in transformers' module layout, fp32 copies (the megatron
+    engine exports checkpoint names, experts per expert; the torch engine its fused experts)."""
+    from oneloop.backends.megatron_local.engines.hf import fuse_experts
+
+    weights = fuse_experts(engine.sampler_weights())
+    return {k: np.asarray(v, np.float32).copy() for k, v in weights.items()}
+
+
+def phase_main(doc: str, phases: Mapping[str, Callable[[Path], None]]) -> int:
+    """The command line of a two-phase script: `--phase NAME --work DIR` runs `phases[NAME]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--phase", choices=tuple(phases), required=True)
+    parser.add_argument("--work", type=Path, required=True, help="where the figures go")
+    args = parser.parse_args()
+    phases[args.phase](args.work)
+    return 0
+
+
 def save_run(path: Path, out: Mapping[str, Any]) -> None:
     """A phase's `train_steps` figures to an .npz (`{tag}/weights{step}` dicts flattened), for a
     later phase in another process (`load_run`)."""

@@ -16,7 +16,6 @@ core's GatedDeltaNet (its torch delta rule on CPU), gated attention and MoE laye
 checkpoint (after step 1) loads at ep = 1. Two optim_steps; figures to DIR/figures.json.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -52,16 +51,10 @@ def _data(step: int) -> list:
     return data
 
 
-def _weights(engine) -> dict[str, np.ndarray]:
-    """Sampler weights in transformers' module layout (experts fused, as the torch engine's)."""
-    from oneloop.backends.megatron_local.engines.hf import fuse_experts
-
-    weights = fuse_experts(engine.sampler_weights())
-    return {k: np.asarray(v, np.float32).copy() for k, v in weights.items()}
-
-
 def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
-    cm.train_steps(engine, range(2), out, tag, data=_data, adams=ADAMS, weights=_weights, save=save)
+    cm.train_steps(
+        engine, range(2), out, tag, data=_data, adams=ADAMS, weights=cm.fused_weights, save=save
+    )
 
 
 def _perturbed(name: str, work: Path) -> Path:
@@ -137,7 +130,7 @@ def _run(work: Path) -> None:
             figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
             ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
             figures[f"{name}/ep1_loads_ep2_weights_gap"] = cm.weights_gap(
-                _weights(ref), out["ep2/weights0"]
+                cm.fused_weights(ref), out["ep2/weights0"]
             )
         figures.update({f"{name}/{k}": v for k, v in cm.run_gaps(out, tags, steps=2).items()})
         figures[f"{name}/weights_moved"] = cm.weights_gap(out["ref/weights1"], out["ref/weights0"])
@@ -145,14 +138,5 @@ def _run(work: Path) -> None:
     (work / "figures.json").write_text(json.dumps(figures, indent=1))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--phase", choices=("torch", "megatron"), required=True)
-    parser.add_argument("--work", type=Path, required=True, help="where the figures go")
-    args = parser.parse_args()
-    (_run_torch if args.phase == "torch" else _run)(args.work)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cm.phase_main(__doc__, {"torch": _run_torch, "megatron": _run}))

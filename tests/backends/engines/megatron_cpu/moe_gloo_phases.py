@@ -1,7 +1,8 @@
 """The phase of the megatron MoE check (test_megatron_moe_gloo): Qwen3-MoE on the engine itself.
 
-    .venv/bin/python tests/backends/engines/megatron_cpu/moe_gloo_phases.py --phase torch --work DIR
-    .venv/bin/python tests/backends/engines/megatron_cpu/moe_gloo_phases.py --phase megatron --work DIR
+    cd tests/backends/engines/megatron_cpu
+    ../../../../.venv/bin/python moe_gloo_phases.py --phase torch --work DIR
+    ../../../../.venv/bin/python moe_gloo_phases.py --phase megatron --work DIR
 
 The tiny random Qwen3-MoE (`oneloop/tiny-qwen3-moe`, fp32), the same datums and AdamParams through
 - phase `torch` (its own process, without the CUDA-on-CPU shims: installed before transformers is
@@ -22,7 +23,6 @@ test_megatron_moe_gloo.py asserts the tolerances. The CUDA-on-CPU shims and the 
 patch are installed at the top level here, so the rank actors, which import this file, get them.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -52,17 +52,10 @@ def _data(step: int) -> list:
     return data
 
 
-def _weights(engine) -> dict[str, np.ndarray]:
-    """Sampler weights in transformers' module layout (the megatron engine exports checkpoint
-    names, per expert; the torch engine its fused experts)."""
-    from oneloop.backends.megatron_local.engines.hf import fuse_experts
-
-    weights = fuse_experts(engine.sampler_weights())
-    return {k: np.asarray(v, np.float32).copy() for k, v in weights.items()}
-
-
 def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
-    cm.train_steps(engine, range(2), out, tag, data=_data, adams=ADAMS, weights=_weights, save=save)
+    cm.train_steps(
+        engine, range(2), out, tag, data=_data, adams=ADAMS, weights=cm.fused_weights, save=save
+    )
 
 
 def _run_torch(work: Path) -> None:
@@ -123,7 +116,8 @@ def _run(work: Path) -> None:
     except ValueError as error:
         figures["ep1_loads_ep2_optimizer"] = str(error)
     ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
-    figures["ep1_loads_ep2_weights_gap"] = cm.weights_gap(_weights(ref), out["ep2/weights0"])
+    loaded = cm.fused_weights(ref)
+    figures["ep1_loads_ep2_weights_gap"] = cm.weights_gap(loaded, out["ep2/weights0"])
     figures["optimizer_files"] = sorted(p.name for p in (work / "ckpt_ep2_step1").glob("opt*"))
     figures["grouped_experts"] = sorted(
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
@@ -145,14 +139,5 @@ def _weights_of(model: Path) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in weights.items()}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--phase", choices=("torch", "megatron"), required=True)
-    parser.add_argument("--work", type=Path, required=True, help="where the figures go")
-    args = parser.parse_args()
-    (_run_torch if args.phase == "torch" else _run)(args.work)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cm.phase_main(__doc__, {"torch": _run_torch, "megatron": _run}))
