@@ -362,9 +362,7 @@ def r3_data(lengths: Sequence[int], layers: int, experts: int, k: int) -> list:
                 "advantages": r.normal(0.0, 1.0, n).astype(np.float32)}  # fmt: skip
 
     data = []
-    for i, datum in enumerate(random_data(rng, lengths, inputs)):
-        datum.tokens[datum.tokens == 0] = 1
-        datum.targets[datum.targets == 0] = 1
+    for i, datum in enumerate(no_pad_tokens(random_data(rng, lengths, inputs))):
         n = len(datum.tokens) - i % 3
         routing = np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :k].astype(np.int16)
         data.append(dataclasses.replace(datum, routing=routing))
@@ -407,6 +405,29 @@ def r3_gaps(out: dict, tags: tuple[str, ...]) -> dict:
             ratio = out[f"{tag}/r3_grad_norm"] / out["torch/r3_grad_norm"]
             figures[f"{tag}_r3_grad_norm_rel_gap"] = abs(ratio - 1)
     return figures
+
+
+def no_pad_tokens(data: list) -> list:
+    """`data` with token 0, the tiny models' pad_token_id, replaced by 1 (in place): transformers'
+    embedding freezes that row (`padding_idx`, no gradient), megatron's trains it like any other."""
+    for datum in data:
+        datum.tokens[datum.tokens == 0] = 1
+        datum.targets[datum.targets == 0] = 1
+    return data
+
+
+def train_pad_free(
+    engine, out: dict, tag: str, lengths: Sequence[Sequence[int]], adams: Sequence[dict],
+    save: Path | None = None,
+) -> None:  # fmt: skip
+    """`train_steps` over one step per `lengths` entry: cross_entropy on random datums of those
+    lengths (seed = step, `no_pad_tokens`), weights in transformers' layout (`fused_weights`)."""
+
+    def data(step: int) -> list:
+        return no_pad_tokens(random_data(np.random.default_rng(step), lengths[step], ones))
+
+    steps = range(len(lengths))
+    train_steps(engine, steps, out, tag, data=data, adams=adams, weights=fused_weights, save=save)
 
 
 def fused_weights(engine) -> dict[str, np.ndarray]:

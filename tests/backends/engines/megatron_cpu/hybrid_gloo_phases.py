@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import cpu_megatron as cm
-import numpy as np
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's GDN fusers compile: ~30 s per run
 if __name__ != "__main__" or "torch" not in sys.argv:  # the megatron phase and its rank actors
@@ -41,20 +40,8 @@ BUDGET = 64  # padded tokens per micro-batch: at dp = 2 the replicas get unequal
 MODELS = ("qwen3.5-moe", "qwen3.5")
 
 
-def _data(step: int) -> list:
-    """Random datums without token 0, the tiny models' pad_token_id (transformers' embedding
-    freezes that row, megatron's trains it)."""
-    data = cm.random_data(np.random.default_rng(step), LENGTHS[step], cm.ones)
-    for datum in data:
-        datum.tokens[datum.tokens == 0] = 1
-        datum.targets[datum.targets == 0] = 1
-    return data
-
-
 def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
-    cm.train_steps(
-        engine, range(2), out, tag, data=_data, adams=ADAMS, weights=cm.fused_weights, save=save
-    )
+    cm.train_pad_free(engine, out, tag, LENGTHS, ADAMS, save)
 
 
 def _perturbed(name: str, work: Path) -> Path:

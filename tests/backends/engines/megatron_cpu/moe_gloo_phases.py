@@ -42,20 +42,8 @@ LENGTHS = ((20, 13, 7, 16, 9, 11, 5), (18, 5, 12, 14, 10, 8))  # the datums of s
 BUDGET = 32  # padded tokens per micro-batch: several micro-batches per replica, unequal counts
 
 
-def _data(step: int) -> list:
-    """Random datums without token 0, the tiny model's pad_token_id: transformers' embedding
-    freezes that row (`padding_idx`, no gradient), megatron's trains it like any other."""
-    data = cm.random_data(np.random.default_rng(step), LENGTHS[step], cm.ones)
-    for datum in data:
-        datum.tokens[datum.tokens == 0] = 1
-        datum.targets[datum.targets == 0] = 1
-    return data
-
-
 def _train(engine, out: dict, tag: str, save: Path | None = None) -> None:
-    cm.train_steps(
-        engine, range(2), out, tag, data=_data, adams=ADAMS, weights=cm.fused_weights, save=save
-    )
+    cm.train_pad_free(engine, out, tag, LENGTHS, ADAMS, save)
 
 
 def _run_torch(work: Path) -> None:
