@@ -3,8 +3,8 @@ module and name each imports anywhere (function bodies too); prints what fails, 
 
     .venv/bin/python tests/backends/gpu_module_import_check.py PATH...   # {path: [failure, ...]}
 
-Run as its own process by test_gpu_module_imports.py: the GPU packages this machine lacks (vLLM;
-megatron-core where the megatron-cpu group is not installed) become stub packages in this process
+Run as its own process by test_gpu_module_imports.py: the GPU packages this machine lacks (vLLM,
+flash-linear-attention; megatron-core where the megatron-cpu group is not installed) become stub packages in this process
 only, so the module's top level runs (`pytest.importorskip` gets the stub, a module-level "needs a
 CUDA GPU" skip falls through) and each `oneloop` import is resolved for real.
 """
@@ -19,11 +19,11 @@ import traceback
 import types
 from pathlib import Path
 
-GUARDED = ("vllm", "megatron", "transformer_engine")  # the `gpu` extra and TE: device only
+GUARDED = ("vllm", "megatron", "fla", "transformer_engine")  # the `gpu` extra and TE: device only
 # Stubbed when missing: what the GPU modules import at their top level. TransformerEngine is never
 # stubbed (an installed megatron-core probes for it and reads its version); its imports, inside
 # functions only, are skipped when it is missing.
-STUBBED = ("vllm", "megatron")
+STUBBED = ("vllm", "megatron", "fla")
 
 
 class _StubType(type):
