@@ -38,6 +38,12 @@ HYBRID_SHAPES = {  # Qwen3.6-35B-A3B's text model (the config class defaults), 4
     "35b-a3b-4l": dict(
         num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"]
     ),
+    # The same layers with 32 of the 256 experts (top-8 kept): real GDN, attention and expert widths
+    # in a model small enough for a device call of a few minutes (a smoke run of the GPU path).
+    "35b-a3b-4l-32e": dict(
+        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_experts=32,
+    ),
 }
 
 
