@@ -7,11 +7,17 @@ Measures, in one run and side by side, on the tiny model:
     (`submit_sample` from N callers vs `sample`). The ratio time(N concurrent) / time(one call)
     is the cost of not sending one batched request (goal ≤ 2: the engine batches concurrent
     requests itself).
+(c) `--staggered` (default 16) single-sample requests arriving `--gap-ms` (5) apart on the engine,
+    admitted into the running batch between decode steps vs not (`admit_mid_batch=False`: each
+    batch keeps the requests it started with): wall time of the burst (ratio not / joining) and
+    mean arrival-to-answer time.
 (b) `--concurrent` (default 64) concurrent single-sample requests from the official SDK through
     `oneloop serve` vs the same requests to the in-process local backend (goal ≤ 1.10), with the
     server (`--server`) in its own process, as users run it (its own local backend and sampler),
     and as a server thread of this process on the in-process side's backend (the same sampler
-    actor, but the SDK's work and the server's share one interpreter lock).
+    actor, but the SDK's work and the server's share one interpreter lock). One more burst per
+    side measures CPU ms per request: this process (the SDK's side, or the in-process client)
+    and the server process.
 Each path gets one untimed warm-up; timed runs alternate between the two sides of each
 comparison (which goes first alternates too) so load drift hits both alike; medians and the
 median of per-repeat ratios are printed. The machine may be shared: run it twice.
@@ -22,6 +28,7 @@ median of per-repeat ratios are printed. The machine may be shared: run it twice
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -117,23 +124,81 @@ def bench_concurrent_vs_batched(args: argparse.Namespace, backend: Any) -> dict[
     }
 
 
+def bench_staggered(args: argparse.Namespace) -> dict[str, Any]:
+    """(c): `--staggered` single-sample requests arriving `--gap-ms` apart on the engine,
+    requests joining the running batch vs each batch running with what it started with: the
+    burst's wall time and the mean time from a request's arrival to its answer."""
+    from oneloop.backends.megatron_local.engines.base import SampleRequest
+    from oneloop.backends.megatron_local.engines.torch.sampler import TorchSamplerEngine
+    from oneloop.tiny.model import build_tiny_model
+
+    rng = np.random.default_rng(2)
+    requests = [
+        SampleRequest(rng.integers(10, 1000, size=args.prompt_len), 1, args.max_tokens, seed=i)
+        for i in range(args.staggered)
+    ]
+    engines = {
+        name: TorchSamplerEngine(build_tiny_model(), threads=args.threads, admit_mid_batch=join)
+        for name, join in (("joining", True), ("not_joining", False))
+    }
+    latency: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list] = {}
+
+    def burst(name: str) -> Callable[[], None]:
+        def run() -> None:
+            engine, sent, futures = engines[name], [], []
+            for request in requests:
+                sent.append(time.perf_counter())
+                futures.append(engine.submit_sample("base", request))
+                time.sleep(args.gap_ms / 1e3)
+            answered = [0.0] * len(futures)
+            for i, future in enumerate(futures):
+                future.add_done_callback(
+                    lambda _, i=i: answered.__setitem__(i, time.perf_counter())
+                )
+            outputs = wait_all(futures)
+            time.sleep(0.01)  # the callbacks of the last futures
+            latency[name].append(
+                statistics.mean(a - s for a, s in zip(answered, sent, strict=True))
+            )
+            tokens[name] = [o.sequences[0].tokens.tolist() for o in outputs]
+
+        return run
+
+    try:
+        times = paired({name: burst(name) for name in engines}, args.repeats)
+        joined = engines["joining"].joined_requests
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {
+        **ratios(times, "not_joining", "joining"),
+        "latency_joining_s": statistics.median(latency["joining"]),
+        "latency_not_joining_s": statistics.median(latency["not_joining"]),
+        "joined_per_burst": joined / (args.repeats + 1),
+        "same_tokens": tokens["joining"] == tokens["not_joining"],
+    }
+
+
 @contextlib.contextmanager
-def serve_url(mode: str, backend: Any, threads: int, run_dir: Path) -> Iterator[str]:
-    """A `oneloop serve` base URL: `thread` = a server thread of this process on `backend`
-    (the same sampler actor as the in-process side); `process` = `oneloop serve` in its own
-    process with its own local backend, as users run it (the SDK's work and the server's then
-    do not share one interpreter lock)."""
+def serve_url(
+    mode: str, backend: Any, threads: int, run_dir: Path
+) -> Iterator[tuple[str, int | None]]:
+    """A `oneloop serve` base URL and the server's pid (None: this process): `thread` = a
+    server thread of this process on `backend` (the same sampler actor as the in-process side);
+    `process` = `oneloop serve` in its own process with its own local backend, as users run it
+    (the SDK's work and the server's then do not share one interpreter lock)."""
     from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 
     if mode == "thread":
         with ServerThread(ServeConfig(port=0), backend) as server:
-            yield server.base_url
+            yield server.base_url, None  # its CPU is this process's
         return
     config = run_dir / "serve-backend.json"
     config.write_text(json.dumps({"local": {"torch_threads": threads}}))
     args = ["--run-dir", str(run_dir / "serve"), "--backend-config", str(config)]
     with serve_process(args, log=run_dir / "serve.log", start_timeout_s=TIMEOUT_S) as served:
-        yield served.url
+        yield served.url, served.process.pid
 
 
 def bench_serve_vs_in_process(
@@ -153,9 +218,9 @@ def bench_serve_vs_in_process(
         types.SamplingParams(max_tokens=args.max_tokens, seed=i, stop=[])
         for i in range(args.concurrent)
     ]
-    with serve_url(mode, backend, args.threads, run_dir) as url:
+    with serve_url(mode, backend, args.threads, run_dir) as (url, server_pid):
         sdk = tinker.ServiceClient(base_url=url, api_key="tml-bench-loopback")
-        via_serve = sdk.create_sampling_client(base_model=TINY_MODEL_NAME)
+        via_serve = sdk.create_sampling_client(base_model=TINY_MODEL_NAME).result(TIMEOUT_S)
         in_process = backend.create_sampling_client(base_model=TINY_MODEL_NAME).result(TIMEOUT_S)
 
         def burst(client: Any) -> Callable[[], list[Any]]:
@@ -164,13 +229,35 @@ def bench_serve_vs_in_process(
             )
 
         times = paired({"serve": burst(via_serve), "in_process": burst(in_process)}, args.repeats)
+        cpu = {
+            name: cpu_ms_per_request(fn, args.concurrent, server_pid if name == "serve" else None)
+            for name, fn in (("serve", burst(via_serve)), ("in_process", burst(in_process)))
+        }
         served = burst(via_serve)()
         local = burst(in_process)()
         same = all(
             a.sequences[0].tokens == b.sequences[0].tokens
             for a, b in zip(served, local, strict=True)
         )
-    return {**ratios(times, "serve", "in_process"), "same_tokens": same}
+    return {**ratios(times, "serve", "in_process"), "same_tokens": same, "cpu_ms": cpu}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ms_per_request(fn: Callable[[], Any], requests: int, server_pid: int | None) -> dict:
+    """CPU ms per request of one more run of `fn` (a burst of `requests`): this process (the
+    client: the SDK, or the in-process backend's client) and, given its pid, the server
+    process (its HTTP and request handling; the sampler actor is a process of its own)."""
+    client, server = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
+    fn()
+    out = {"client": 1e3 * (time.process_time() - client) / requests}
+    if server_pid:
+        out["server"] = 1e3 * (process_cpu_s(server_pid) - server) / requests
+    return out
 
 
 def bench_sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -184,7 +271,8 @@ def bench_sampling(args: argparse.Namespace) -> dict[str, Any]:
         )
         try:
             results: dict[str, Any] = {
-                "concurrent_vs_batched": bench_concurrent_vs_batched(args, backend)
+                "concurrent_vs_batched": bench_concurrent_vs_batched(args, backend),
+                "staggered": bench_staggered(args),
             }
             for mode in args.server.split(","):
                 results[f"serve_{mode}_vs_in_process"] = bench_serve_vs_in_process(
@@ -205,6 +293,14 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
             f"{r['ratio_paired_median']:.2f}; goal <= {GOAL_CONCURRENT_OVER_BATCHED})"
         )
     print(f"    requests per engine batch, concurrent runs: {a['engine_requests_per_batch']:.2f}")
+    c = results["staggered"]
+    print(
+        f"(c) engine {args.staggered} requests {args.gap_ms} ms apart: joining the running batch "
+        f"{c['joining_s']:.3f} s, not {c['not_joining_s']:.3f} s, ratio not/joining "
+        f"{c['ratio']:.2f} (paired median {c['ratio_paired_median']:.2f}); mean arrival-to-answer "
+        f"{c['latency_joining_s'] * 1e3:.0f} vs {c['latency_not_joining_s'] * 1e3:.0f} ms; "
+        f"{c['joined_per_burst']:.1f} joined per burst; same tokens: {c['same_tokens']}"
+    )
     for mode in args.server.split(","):
         b = results[f"serve_{mode}_vs_in_process"]
         print(
@@ -213,6 +309,12 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
             f"{b['ratio_paired_median']:.3f}; goal <= {GOAL_SERVE_OVER_IN_PROCESS}); "
             f"same tokens: {b['same_tokens']}"
         )
+        cpu = b["cpu_ms"]
+        server = f", server process {cpu['serve']['server']:.2f}" if mode == "process" else ""
+        print(
+            f"    CPU ms per request: SDK side {cpu['serve']['client']:.2f}{server}; "
+            f"in-process client {cpu['in_process']['client']:.2f}"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -220,6 +322,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("what", nargs="?", default="sampling", choices=["sampling"])
     parser.add_argument("--n", type=int, default=8, help="requests in comparison (a)")
     parser.add_argument("--concurrent", type=int, default=64, help="requests in comparison (b)")
+    parser.add_argument("--staggered", type=int, default=16, help="requests in comparison (c)")
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="(c)'s gap between arrivals")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens sampled per sequence")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the samplers")

@@ -1,9 +1,11 @@
 """The torch sampler batches concurrent requests (issue 21): a seeded request gives the same tokens
 alone or batched, a failing request fails alone, and each request's stops and max_tokens hold
-inside a batch. On the engine directly; through the Ray sampler actor: tests/backends/local/
+inside a batch; requests arriving mid-batch join it between decode steps, except while a weight
+update waits. On the engine directly; through the Ray sampler actor: tests/backends/local/
 test_sampler_concurrency.py."""
 
 import concurrent.futures
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from oneloop.backends.megatron_local.engines.base import SampleOutput, SampleRequest
 from oneloop.backends.megatron_local.engines.torch.sampler import TorchSamplerEngine
 from oneloop.errors import RequestError
+from oneloop.tiny.model import TINY_QWEN3_5_MOE, TINY_QWEN3_MOE, build_tiny_model, named_tiny_specs
 
 TIMEOUT_S = 120
 
@@ -148,3 +151,96 @@ def test_stops_and_max_tokens_hold_per_request_in_a_batch(engine):
         assert seq.stop_reason == ("stop" if seq.tokens[-1] == reference[0] else "length")
         assert reference[0] not in seq.tokens[:-1].tolist()
         assert len(seq.tokens) == 40 or seq.stop_reason == "stop"
+
+
+def _join_on_first_draw(engine: TorchSamplerEngine, monkeypatch, act) -> None:
+    """Run `act()` from inside the running batch, at its first draw: what `act` submits then
+    arrives while the batch is mid-way, deterministically."""
+    draw, fired = engine._draw, []
+
+    def draw_then_act(logits, request, generators):
+        if not fired:
+            fired.append(True)
+            act()
+        return draw(logits, request, generators)
+
+    monkeypatch.setattr(engine, "_draw", draw_then_act)
+
+
+@pytest.mark.parametrize("name", ["dense", TINY_QWEN3_MOE, TINY_QWEN3_5_MOE])
+def test_requests_join_a_running_batch_with_the_tokens_they_get_alone(
+    name, tiny_model_path, monkeypatch
+):
+    """Requests that arrive while a batch runs are admitted between decode steps (longer and
+    shorter prompts than the running cache, several samples, prompt logprobs, MoE routing, Gated
+    DeltaNet state) and get what they get alone; a request finishing early is settled before the
+    batch ends."""
+    path = tiny_model_path if name == "dense" else build_tiny_model(named_tiny_specs()[name])
+    engine = TorchSamplerEngine(path, threads=1)
+    try:
+        running = SampleRequest(prompt(50, 8), 2, 40, seed=51, stop_token_ids=())
+        joiners = [
+            SampleRequest(prompt(52, 45), 1, 12, seed=53, stop_token_ids=()),  # longer cache
+            SampleRequest(prompt(54, 3), 3, 6, seed=55, temperature=0.8, stop_token_ids=()),
+            SampleRequest(prompt(56, 9), 1, 9, seed=57, top_p=0.9, include_prompt_logprobs=True),
+            SampleRequest(prompt(58, 20), 2, 50, seed=59, top_k=7, stop_token_ids=()),
+        ]
+        alone = [engine.sample("base", r) for r in [running, *joiners]]
+        futures: list = []
+        _join_on_first_draw(
+            engine,
+            monkeypatch,
+            lambda: futures.extend(engine.submit_sample("base", r) for r in joiners),
+        )
+        joined_before, history = engine.joined_requests, len(engine.batch_history)
+        first = engine.submit_sample("base", running)
+        outputs = [first.result(timeout=TIMEOUT_S)]  # the joiners were submitted by then
+        outputs += [f.result(timeout=TIMEOUT_S) for f in futures]
+        assert engine.joined_requests - joined_before == len(joiners)
+        # the batch's size is recorded as it ends, just after its last request is settled
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(engine.batch_history) == history and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert list(engine.batch_history)[history:] == [1 + len(joiners)]
+        for a, b in zip(alone, outputs, strict=True):
+            assert_same(a, b)
+            for x, y in zip(a.sequences, b.sequences, strict=True):
+                if name == "dense":
+                    assert x.routed_experts is None and y.routed_experts is None
+                else:  # every fed position's experts, per layer
+                    np.testing.assert_array_equal(x.routed_experts, y.routed_experts)
+        np.testing.assert_allclose(alone[3].prompt_logprobs, outputs[3].prompt_logprobs, atol=1e-5)
+        # The 6-token joiner was settled while the 40- and 50-token rows still ran.
+        assert futures[1].done()
+    finally:
+        engine.close()
+
+
+def test_a_waiting_weight_update_stops_admission(engine, monkeypatch):
+    """While a weight update waits for the model, the running batch admits no one: it ends, the
+    update lands, and what arrived meanwhile runs on the new weights (a stream of requests
+    cannot hold weights off)."""
+    import threading
+
+    running = SampleRequest(prompt(60, 6), 1, 30, seed=61, stop_token_ids=())
+    late = SampleRequest(prompt(62, 6), 1, 5, seed=63, stop_token_ids=())
+    weights = {k: v.numpy() for k, v in engine.weight_sets["base"][0].items()}
+    version = engine.version("base") + 1
+    futures: list = []
+    updater = threading.Thread(target=engine.set_weights, args=("base", weights, version))
+
+    def update_then_submit() -> None:
+        updater.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while not engine._lock_waiters and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine._lock_waiters, "the weight update never started waiting"
+        futures.append(engine.submit_sample("base", late))
+
+    _join_on_first_draw(engine, monkeypatch, update_then_submit)
+    joined_before = engine.joined_requests
+    first = engine.submit_sample("base", running)
+    assert first.result(timeout=TIMEOUT_S).version == version - 1
+    assert futures[0].result(timeout=TIMEOUT_S).version == version
+    updater.join(timeout=TIMEOUT_S)
+    assert engine.joined_requests == joined_before

@@ -8,15 +8,19 @@
   spell arrives it gathers while more keep arriving: `GATHER_S`, `MAX_GATHER_S`) and runs the
   requests of one weight set as one padded batch: prompts left-padded under an attention mask, one
   prefill, then one decode step per token for every row of every request; a finished row leaves
-  the batch. `sample` runs one request on the calling thread. A lock guards the model, so a weight
+  the batch and a finished request is answered at once. Requests that arrive while a batch runs
+  join it between decode steps (`engines.torch.generation`: prefilled apart, their cache stacked
+  onto the running one), while the first in line is on the same weight set and no weight update
+  waits. `sample` runs one request on the calling thread. A lock guards the model, so a weight
   update lands between batches.
 - Determinism: row i of a request draws from its own `torch.Generator` seeded from (`seed`, i),
   and temperature / top-k / top-p / the draw act row by row. Same seed ⇒ same tokens, whether the
   request runs alone or batched with others, and sample i does not depend on num_samples. (Batch
   shape and padding move the logits' float rounding by ~1e-6, never the draw's random stream.)
 - Isolation: a request that fails its checks (token ids outside the vocabulary, ...) fails alone
-  before any batch runs; a batch that raises anyway is rerun request by request, so only the
-  request that fails gets the error. `batch_history` records the requests per batch.
+  before any batch runs; a batch that raises anyway reruns its unanswered requests one by one, so
+  only the request that fails gets the error. `batch_history` records the requests per batch
+  (joiners included), `joined_requests` those that joined a running batch.
 - Returned logprobs are the model's raw (temperature 1, unfiltered) log-probabilities of the sampled
   tokens, the same quantity the trainer computes; temperature / top-k / top-p only shape the draw.
 - Stops: `stop=None` stops on the model's EOS ids; token-id stops end on (and include) that token;
@@ -27,21 +31,22 @@
   fixed-size state in the same cache, selected by row like the KV cache.
 """
 
+import contextlib
 import inspect
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, DynamicCache
+from transformers import AutoTokenizer
 
 from oneloop.backends.megatron_local.engines.base import (
-    SampledArrays,
     SampleOutput,
     SamplerEngine,
     SampleRequest,
@@ -54,11 +59,12 @@ from oneloop.backends.megatron_local.engines.hf import (
     token_logprobs,
     untie_embeddings,
 )
-from oneloop.backends.megatron_local.engines.torch.routing import (
-    ROUTING_DTYPE,
-    RouterRecorder,
-    moe_routers,
+from oneloop.backends.megatron_local.engines.torch.generation import (
+    Generation,
+    joinable,
+    run_to_end,
 )
+from oneloop.backends.megatron_local.engines.torch.routing import RouterRecorder, moe_routers
 from oneloop.errors import BackendError, RequestError
 
 BASE_KEY = "base"
@@ -69,12 +75,15 @@ ms of each other; 5 ms is small beside one request's generation, and requests th
 batch runs join the next batch anyway."""
 MAX_GATHER_S = 0.05
 """The most a batch waits for requests still arriving (a burst through `oneloop serve` spreads
-over tens of ms: cut short, it ran as two batches, twice the time of one)."""
+over tens of ms); later ones join the running batch."""
 MAX_BATCH_ROWS = 64
 """Sequences (sum of num_samples) per batch; a larger single request still runs, alone."""
 MAX_BATCH_PROMPT_TOKENS = 32768
 """Padded prompt tokens per batch's prefill (requests × longest prompt): bounds padding waste and
 the prefill's activations; a longer single request still runs, alone."""
+MAX_BATCH_CACHE_TOKENS = 4 * MAX_BATCH_PROMPT_TOKENS
+"""Padded cache positions (rows × positions) a batch may reach by admitting requests mid-way:
+a long prompt joining pads every running row's cache to its length."""
 IDLE_POLL_S = 1.0  # the worker's bounded wait on an empty queue, between checks of `close()`
 CLOSE_TIMEOUT_S = 30.0  # how long `close()` waits for the batch in progress to finish
 
@@ -99,7 +108,10 @@ class TorchSamplerEngine(SamplerEngine):
         threads: int | None = None,
         max_snapshots: int = 8,
         device: str = "cpu",
+        admit_mid_batch: bool = True,
     ) -> None:
+        """`admit_mid_batch=False` runs each batch with the requests it started with (the
+        sampling bench's baseline)."""
         set_threads(threads)
         self.device = torch.device(device)
         self.model = untie_embeddings(load_causal_lm(model_path, dtype)).to(self.device).eval()
@@ -122,8 +134,12 @@ class TorchSamplerEngine(SamplerEngine):
         self.loaded_key = BASE_KEY
         self.lock = threading.RLock()  # the model and the weight sets
         self.batch_history: deque[int] = deque(maxlen=1024)  # requests per batch, newest last
+        self.admit_mid_batch = admit_mid_batch
+        self.joined_requests = 0  # requests admitted into a batch already running
         self.failed_requests = 0  # requests that ended in an error (checks, weights, generation)
         self._queue: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
+        self._waiting: list[_Queued] = []  # taken off the queue by the worker, not yet running
+        self._lock_waiters = 0  # callers other than the worker waiting for `lock`
         self._worker: threading.Thread | None = None
         self._worker_lock = threading.Lock()
         self._closed = False
@@ -141,7 +157,7 @@ class TorchSamplerEngine(SamplerEngine):
                 f"weights for {key!r} do not match the sampler's model: "
                 f"unexpected {sorted(extra)[:3]}, missing {sorted(missing)[:3]}"
             )
-        with self.lock:
+        with self._exclusive():
             held = self.weight_sets.get(key)
             if held is not None and held[1] > version:
                 return  # a newer version got here first (updates may race without the actor lock)
@@ -161,7 +177,7 @@ class TorchSamplerEngine(SamplerEngine):
 
     def drop_weights(self, key: str) -> None:
         if key != BASE_KEY:
-            with self.lock:
+            with self._exclusive():
                 self.weight_sets.pop(key, None)
 
     def has_weights(self, key: str) -> bool:
@@ -252,7 +268,7 @@ class TorchSamplerEngine(SamplerEngine):
     # -- the batching worker ---------------------------------------------------------------------
 
     def _serve(self) -> None:
-        waiting: list[_Queued] = []
+        waiting = self._waiting
         while not self._closed:
             if not waiting:
                 try:
@@ -312,27 +328,68 @@ class TorchSamplerEngine(SamplerEngine):
         return batch
 
     def _run_batch(self, items: list[_Queued]) -> None:
-        """Run `items` as one batch and settle their futures; cancelled ones are skipped."""
+        """Run `items` as one batch, admitting more requests of the same weight set between
+        decode steps (`_joiners`); settle each future as its request finishes. Cancelled
+        requests are skipped."""
         items = [i for i in items if i.future.set_running_or_notify_cancel()]
         if not items:
             return
         key = items[0].key
         try:
-            outputs = self._sample_batch(key, [i.request for i in items])
+            with self.lock, self._recording() as recorder:
+                generation = Generation(self, self._use(key), recorder)
+                generation.admit([i.request for i in items])
+                while generation.rows:
+                    generation.step()
+                    for j, output in generation.take_finished():
+                        items[j].future.set_result(output)
+                    joiners = self._joiners(key, generation) if generation.rows else []
+                    if joiners:
+                        items += joiners
+                        self.joined_requests += len(joiners)
+                        generation.admit([i.request for i in joiners])
         except Exception as error:
+            self.batch_history.append(len(items))
+            unsettled = [i for i in items if not i.future.done()]
             if len(items) == 1:
                 self._fail(items[0].future, error)
                 return
-            for item in items:  # request by request: only the request that fails gets the error
+            for item in unsettled:  # request by request: only the request that fails gets the error
                 try:
                     output = self._sample_batch(key, [item.request])[0]
                 except Exception as alone:
                     self._fail(item.future, alone)
                 else:
                     item.future.set_result(output)
-            return
-        for item, output in zip(items, outputs, strict=True):
-            item.future.set_result(output)
+        else:
+            self.batch_history.append(len(items))
+
+    def _joiners(self, key: str, generation: Generation) -> list[_Queued]:
+        """Waiting requests that join the running batch now: those at the head of the queue on
+        the same weight set (none when a request of another set is first in line, or while another
+        caller waits for the model: a weight update), as many as fit the batch's rows and its
+        joined cache; cancelled ones are dropped."""
+        if not self.admit_mid_batch or self._lock_waiters or self._closed:
+            return []
+        if not joinable(generation.cache):
+            return []
+        self._gather(self._waiting, 0.0)
+        rows, length = generation.rows, generation.length
+        joiners: list[_Queued] = []
+        width = 0
+        while self._waiting and self._waiting[0].key == key:
+            request = self._waiting[0].request
+            n, p = request.num_samples, len(request.prompt)
+            fits = rows + n <= MAX_BATCH_ROWS
+            fits = fits and (len(joiners) + 1) * max(width, p) <= MAX_BATCH_PROMPT_TOKENS
+            fits = fits and (rows + n) * max(length, width, p) <= MAX_BATCH_CACHE_TOKENS
+            if not fits:
+                break
+            item = self._waiting.pop(0)
+            if item.future.set_running_or_notify_cancel():
+                joiners.append(item)
+                rows, width = rows + n, max(width, p)
+        return joiners
 
     def _fail(self, future: Future, error: BaseException) -> None:
         """Settle `future` with `error` (unless its caller cancelled it while it was queued)."""
@@ -350,137 +407,30 @@ class TorchSamplerEngine(SamplerEngine):
                 self._fail(item.future, BackendError("the torch sampler engine is closed"))
 
     def _sample_batch(self, key: str, requests: list[SampleRequest]) -> list[SampleOutput]:
-        with self.lock:
-            version = self._use(key)
+        """`requests` as one batch on the calling thread, no one admitted on the way."""
+        with self._exclusive(), self._recording() as recorder:
+            generation = Generation(self, self._use(key), recorder)
+            outputs = run_to_end(generation, requests)
             self.batch_history.append(len(requests))
-            if not self.routers:
-                return self._generate(requests, version, None)
-            with RouterRecorder(self.routers) as recorder:
-                return self._generate(requests, version, recorder)
+            return outputs
 
-    # -- generation ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The model lock for a caller other than the batching worker: counted while it waits,
+        so a running batch admits no one more and ends (weights land between batches)."""
+        with self._worker_lock:
+            self._lock_waiters += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._worker_lock:
+                self._lock_waiters -= 1
 
-    @torch.no_grad()
-    def _generate(
-        self, requests: list[SampleRequest], version: int, recorder: RouterRecorder | None
-    ) -> list[SampleOutput]:
-        """All sequences of `requests` as one batch (see the module docstring); `recorder`
-        (MoE models) collects each sequence's routing."""
-        device = self.device
-        lengths = [int(r.prompt.shape[0]) for r in requests]
-        width = max(lengths)
-        ids = torch.zeros((len(requests), width), dtype=torch.long)  # left padding, masked
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for j, request in enumerate(requests):
-            ids[j, width - lengths[j] :] = torch.from_numpy(request.prompt.astype(np.int64))
-            mask[j, width - lengths[j] :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        want_prompt = any(r.include_prompt_logprobs for r in requests)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            **({} if want_prompt or not self.keeps_logits else {"logits_to_keep": 1}),
-            **{self.cache_kwarg: cache},
-        )
-        prompt_lp = [
-            self._prompt_logprobs_from(out.logits[j, width - n :], ids[j, width - n :])
-            if r.include_prompt_logprobs
-            else None
-            for j, (r, n) in enumerate(zip(requests, lengths, strict=True))
-        ]
-        # One row per sequence, a request's rows adjacent; `active` = rows still generating.
-        owner = [j for j, r in enumerate(requests) for _ in range(r.num_samples)]
-        generators = []
-        for request in requests:
-            seed = request.seed if request.seed is not None else int.from_bytes(np.random.bytes(7))
-            generators += [self._generator(seed, i) for i in range(request.num_samples)]
-        rows = torch.tensor(owner, device=device)
-        routing: list[list[torch.Tensor]] = []
-        if recorder is not None:  # prefill: [requests × width, layers, k] → each row's prompt
-            prefill = recorder.take().reshape(len(requests), width, *recorder.take_shape())
-            routing = [[prefill[j, width - lengths[j] :]] for j in owner]
-        cache.reorder_cache(rows)  # row select; hybrid (GDN) caches too
-        logits, mask = out.logits[:, -1, :][rows], mask[rows]
-        del out
-        positions = torch.tensor([lengths[j] for j in owner], device=device)
-        active = list(range(len(owner)))
-        tokens: list[list[int]] = [[] for _ in owner]
-        logprobs: list[list[float]] = [[] for _ in owner]
-        reasons = ["length"] * len(owner)
-        while True:
-            chosen = torch.empty(len(active), dtype=torch.long, device=device)
-            for j, start, stop in self._runs(active, owner, requests):
-                gens = [generators[g] for g in active[start:stop]]
-                chosen[start:stop] = self._draw(logits[start:stop], requests[j], gens)
-            picked = chosen.tolist()
-            scored = token_logprobs(logits, chosen).tolist()
-            keep = []
-            for p, g in enumerate(active):
-                request = requests[owner[g]]
-                tokens[g].append(picked[p])
-                logprobs[g].append(scored[p])
-                if self._stops(picked[p], tokens[g], request):
-                    reasons[g] = "stop"
-                elif len(tokens[g]) < request.max_tokens:
-                    keep.append(p)
-            if not keep:
-                break
-            if len(keep) < len(active):  # finished rows leave the batch
-                index = torch.tensor(keep, device=device)
-                cache.reorder_cache(index)
-                chosen, mask, positions = chosen[index], mask[index], positions[index]
-                active = [active[p] for p in keep]
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            out = self.model(
-                input_ids=chosen[:, None],
-                attention_mask=mask,
-                position_ids=positions[:, None],
-                use_cache=True,
-                **{self.cache_kwarg: cache},
-            )
-            logits = out.logits[:, -1, :]
-            positions = positions + 1
-            if recorder is not None:
-                step = recorder.take()  # [active rows, layers, k]
-                for p, g in enumerate(active):
-                    routing[g].append(step[p : p + 1])
-        outputs = []
-        for j, _ in enumerate(requests):
-            sequences = [
-                SampledArrays(
-                    tokens=np.asarray(tokens[g], dtype=np.int32),
-                    logprobs=np.asarray(logprobs[g], dtype=np.float32),
-                    stop_reason=reasons[g],
-                    routed_experts=torch.cat(routing[g]).cpu().numpy().astype(ROUTING_DTYPE)
-                    if routing
-                    else None,
-                )
-                for g in range(len(owner))
-                if owner[g] == j
-            ]
-            outputs.append(SampleOutput(sequences, version=version, prompt_logprobs=prompt_lp[j]))
-        return outputs
+    def _recording(self) -> contextlib.AbstractContextManager[RouterRecorder | None]:
+        return RouterRecorder(self.routers) if self.routers else contextlib.nullcontext()
 
-    @staticmethod
-    def _runs(
-        active: list[int], owner: list[int], requests: list[SampleRequest]
-    ) -> list[tuple[int, int, int]]:
-        """`(request, start, stop)`: runs of adjacent active rows drawn alike (same temperature,
-        top-k and top-p; one `_draw` call each), named by the request of their first row."""
-        runs: list[tuple[int, int, int]] = []
-        last = None
-        for p, g in enumerate(active):
-            r = requests[owner[g]]
-            params = (r.temperature, r.top_k, r.top_p)
-            if runs and params == last:
-                runs[-1] = (runs[-1][0], runs[-1][1], p + 1)
-            else:
-                runs.append((owner[g], p, p + 1))
-            last = params
-        return runs
+    # -- generation (engines.torch.generation) ---------------------------------------------------
 
     def _stops(self, token: int, generated: list[int], request: SampleRequest) -> bool:
         if token in request.stop_token_ids:
@@ -529,7 +479,7 @@ class TorchSamplerEngine(SamplerEngine):
 
     @torch.no_grad()
     def prompt_logprobs(self, key: str, tokens: np.ndarray) -> np.ndarray:
-        with self.lock:
+        with self._exclusive():
             self._use(key)
             prompt = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
             logits = self.model(input_ids=prompt[None, :]).logits[0]
