@@ -6,7 +6,9 @@
     `observation_delta`) and (2) through the gateway with the official `openai` async client
     (messages in, text out; the gateway renders, samples the same client, parses, accounts),
     with the agents' clients in this process and, as in a trial, in a process of their own.
-    Ratio = gateway wall time / direct wall time (goal <= 1.10). Seeds are equal on both
+    Ratio = gateway wall time / direct wall time (goal <= 1.10). One more run of each measures
+    CPU ms per turn: the agents' process (their openai clients), the gateway's process and, for
+    the direct side, the client's process. Seeds are equal on both
     sides. Timed runs alternate which side goes first; medians of `--repeats`.
 (b) Render + accounting tokens/s per core: the gateway's per-turn CPU work (message keys,
     observation delta, `append_sampled`, reply decode + tool-call parse) on replies recorded
@@ -94,26 +96,27 @@ async def run_side(side: str, client: Any, renderer: Any, gateway: Any, args: An
 
 def _agents_process(urls: list[str], turns: int, max_tokens: int, out: Any) -> None:
     """Child process: one openai client per session, all conversations at once; sends the
-    wall seconds of the conversations (client setup excluded)."""
+    wall and CPU seconds of the conversations (client setup excluded)."""
     import openai
 
     args = argparse.Namespace(turns=turns, max_tokens=max_tokens)
 
-    async def go() -> float:
+    async def go() -> tuple[float, float]:
         clients = [openai.AsyncOpenAI(base_url=u, api_key="x", max_retries=0) for u in urls]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(gateway_conversation(c, 1000 * i, args)
                                for i, c in enumerate(clients)))  # fmt: skip
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         await asyncio.gather(*(c.close() for c in clients))
-        return elapsed
+        return elapsed, cpu
 
     out.send(asyncio.run(go()))
 
 
-def run_gateway_apart(gateway: Any, args: Any, repeat: int) -> float:
+def run_gateway_apart(gateway: Any, args: Any, repeat: int, cpu: dict | None = None) -> float:
     """The gateway side with the agents in a process of their own (as in a trial, where the
-    agent and the gateway do not share an interpreter lock)."""
+    agent and the gateway do not share an interpreter lock); `cpu` gets the CPU seconds of the
+    agents' process (their openai clients) and of this one (the gateway)."""
     import multiprocessing
 
     names = [f"apart-{repeat}-{i}" for i in range(args.sessions)]
@@ -121,11 +124,14 @@ def run_gateway_apart(gateway: Any, args: Any, repeat: int) -> float:
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_agents_process, args=(
         [gateway.session_url(n) for n in names], args.turns, args.max_tokens, send))  # fmt: skip
+    mine = time.process_time()  # this process's CPU from here on is the gateway's (and idle)
     child.start()
     try:
         if not receive.poll(TIMEOUT_S):
             raise TimeoutError(f"the agents' process gave no result within {TIMEOUT_S} s")
-        elapsed = float(receive.recv())
+        elapsed, agents = receive.recv()
+        if cpu is not None:
+            cpu.update(agents=agents, gateway=time.process_time() - mine)
     finally:
         child.join(TIMEOUT_S)
     for name in names:
@@ -148,7 +154,12 @@ def bench_overhead(client: Any, renderer: Any, gateway: Any, args: Any) -> dict[
                                                         repeat)))  # fmt: skip
     direct = statistics.median(times["direct"])
     turns = args.sessions * args.turns
-    out = {"direct_s": direct}
+    cpu: dict[str, float] = {}
+    run_gateway_apart(gateway, args, args.repeats, cpu)
+    started = time.process_time()
+    asyncio.run(run_side("direct", client, renderer, gateway, args, args.repeats))
+    cpu["direct"] = time.process_time() - started
+    out = {"direct_s": direct} | {f"cpu_ms_{k}": 1000 * v / turns for k, v in cpu.items()}
     for side in ("gateway", "apart"):
         via = statistics.median(times[side])
         out |= {f"{side}_s": via, f"{side}_ratio": via / direct,
@@ -232,6 +243,9 @@ def main(argv: list[str]) -> int:
                         ("apart", "agents in their own process")):  # fmt: skip
         print(f"    gateway, {words}: {a[f'{side}_s']:.3f} s   ratio {a[f'{side}_ratio']:.3f} "
               f"(goal <= {GOAL_RATIO}); overhead {a[f'{side}_overhead_ms']:.1f} ms/turn")
+    print(f"    CPU ms per turn, agents apart: their openai clients {a['cpu_ms_agents']:.2f}, "
+          f"the gateway's process {a['cpu_ms_gateway']:.2f}; direct: the client's process "
+          f"{a['cpu_ms_direct']:.2f} (the sampler actor is a process of its own)")  # fmt: skip
     print(f"(b) render + accounting: {b['tokens']} tokens in {b['cpu_s']:.3f} CPU s = "
           f"{b['tokens_per_s'] / 1e6:.2f} M tokens/s per core (goal >= "
           f"{GOAL_TOKENS_PER_S / 1e6:.0f} M)")  # fmt: skip
