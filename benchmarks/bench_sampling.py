@@ -8,6 +8,7 @@ Measures, in one run and side by side, on the tiny model:
     is the cost of not sending one batched request (goal ≤ 2: the engine batches concurrent
     requests itself).
 (c) `--staggered` (default 16) single-sample requests arriving `--gap-ms` (5) apart on the engine,
+    each sampling a different number of tokens (`--max-tokens` / 4 to 2 × `--max-tokens`),
     admitted into the running batch between decode steps vs not (`admit_mid_batch=False`: each
     batch keeps the requests it started with): wall time of the burst (ratio not / joining) and
     mean arrival-to-answer time.
@@ -133,8 +134,14 @@ def bench_staggered(args: argparse.Namespace) -> dict[str, Any]:
     from oneloop.tiny.model import build_tiny_model
 
     rng = np.random.default_rng(2)
-    requests = [
-        SampleRequest(rng.integers(10, 1000, size=args.prompt_len), 1, args.max_tokens, seed=i)
+    requests = [  # replies of different lengths, as an agent's turns end at different tokens
+        SampleRequest(
+            rng.integers(10, 1000, size=args.prompt_len),
+            1,
+            int(rng.integers(args.max_tokens // 4, 2 * args.max_tokens + 1)),
+            seed=i,
+            stop_token_ids=(),
+        )
         for i in range(args.staggered)
     ]
     engines = {
