@@ -244,3 +244,28 @@ def test_a_waiting_weight_update_stops_admission(engine, monkeypatch):
     assert futures[0].result(timeout=TIMEOUT_S).version == version
     updater.join(timeout=TIMEOUT_S)
     assert engine.joined_requests == joined_before
+
+
+def test_a_request_on_another_weight_set_first_in_line_stops_admission(engine, monkeypatch):
+    """Admission keeps arrival order across weight sets: while a request on another set is
+    first in line, a later request on the running set does not overtake it by joining."""
+    weights = {k: v.numpy() for k, v in engine.weight_sets["base"][0].items()}
+    engine.set_weights("snapshot:other", weights, 1)
+    running = SampleRequest(prompt(70, 6), 1, 30, seed=71, stop_token_ids=())
+    other = SampleRequest(prompt(72, 6), 1, 5, seed=73, stop_token_ids=())
+    late = SampleRequest(prompt(74, 6), 1, 5, seed=75, stop_token_ids=())
+    alone = engine.sample("base", late)
+    futures: list = []
+    _join_on_first_draw(
+        engine,
+        monkeypatch,
+        lambda: futures.extend(
+            [engine.submit_sample("snapshot:other", other), engine.submit_sample("base", late)]
+        ),
+    )
+    joined_before = engine.joined_requests
+    engine.submit_sample("base", running).result(timeout=TIMEOUT_S)
+    assert futures[0].result(timeout=TIMEOUT_S).version == 1
+    assert_same(alone, futures[1].result(timeout=TIMEOUT_S))
+    assert engine.joined_requests == joined_before
+    engine.drop_weights("snapshot:other")
