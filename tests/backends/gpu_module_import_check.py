@@ -4,8 +4,9 @@ module and name each imports anywhere (function bodies too); prints what fails, 
     .venv/bin/python tests/backends/gpu_module_import_check.py PATH...   # {path: [failure, ...]}
 
 Run as its own process by test_gpu_module_imports.py: the GPU packages this machine lacks (vLLM,
-flash-linear-attention; megatron-core where the megatron-cpu group is not installed) become stub packages in this process
-only, so the module's top level runs (`pytest.importorskip` gets the stub, a module-level "needs a
+flash-linear-attention; megatron-core where the megatron-cpu group is not installed) become stub
+packages in this process only (an import check, not a test of those packages), so the module's
+top level runs (`pytest.importorskip` gets the stub, a module-level "needs a
 CUDA GPU" skip falls through) and each `oneloop` import is resolved for real.
 """
 
