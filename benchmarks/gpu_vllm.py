@@ -3,6 +3,9 @@
 (i)  throughput: our engine's `sample` (sync contract from a thread pool, and `submit_sample`
      futures) vs raw vLLM `AsyncLLM` with the same engine args, prompts and sampling params;
      prints the ratio (goal >= 0.97).
+     With `--routed-experts` (a MoE model): our engine and raw vLLM return every sequence's routed
+     experts (R3's record), and raw vLLM runs once more without them: the record's cost in
+     tokens/s (goal <= 5 %).
 (ii) in-flight weight sync with N requests decoding: pause window and effective GB/s of
      - `ipc`    : one CUDA buffer in vLLM's layout over CUDA IPC, copied into the parameters,
      - `ipc-hf` : the same transport, loaded by the model's own `load_weights` (stock loader),
@@ -53,6 +56,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--in-flight", type=int, default=32, help="requests decoding during a sync")
     ap.add_argument("--rounds", type=int, default=3, help="syncs per load path")
     ap.add_argument("--skip-raw", action="store_true", help="skip the raw AsyncLLM side")
+    ap.add_argument("--skip-sync", action="store_true", help="skip the in-flight sync bench")
+    ap.add_argument(
+        "--routed-experts",
+        action="store_true",
+        help="MoE: return routed experts (R3), and measure raw vLLM without them too",
+    )
     return ap.parse_args()
 
 
@@ -117,7 +126,9 @@ def ours_throughput(engine: VllmSamplerEngine, args, ps: list[np.ndarray]) -> No
                seconds=round(dt, 3), tok_per_s=round(tokens / dt))  # fmt: skip
 
 
-def raw_throughput(engine_kwargs: dict, args, ps: list[np.ndarray]) -> None:
+def raw_throughput(
+    engine_kwargs: dict, args, ps: list[np.ndarray], side: str = "raw_asyncllm"
+) -> None:
     """Raw vLLM: same engine args, same prompts, same SamplingParams, on one asyncio loop."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -139,6 +150,8 @@ def raw_throughput(engine_kwargs: dict, args, ps: list[np.ndarray]) -> None:
             async for out in llm.generate(engine_input, params, request_id=uuid.uuid4().hex):
                 final = out
             assert final is not None and final.outputs[0].logprobs is not None
+            if engine_kwargs.get("enable_return_routed_experts"):  # R3's record came back
+                assert final.outputs[0].routed_experts is not None
             return len(final.outputs[0].token_ids)
 
         try:
@@ -149,7 +162,7 @@ def raw_throughput(engine_kwargs: dict, args, ps: list[np.ndarray]) -> None:
                     asyncio.gather(*[one(p, i, args.max_tokens) for i, p in enumerate(ps)]), 600
                 )
                 dt = time.perf_counter() - t0
-                result(bench="throughput", side="raw_asyncllm", rep=rep, tokens=sum(counts),
+                result(bench="throughput", side=side, rep=rep, tokens=sum(counts),
                        seconds=round(dt, 3), tok_per_s=round(sum(counts) / dt))  # fmt: skip
         finally:
             llm.shutdown()
@@ -218,6 +231,10 @@ def summarize() -> None:
                        float(np.median(rates("ours_sync_threads"))) / raw_median, 3),
                    ours_futures_ratio_median=round(
                        float(np.median(rates("ours_futures"))) / raw_median, 3))  # fmt: skip
+    plain = rates("raw_asyncllm_no_routed_experts")
+    if plain[0] == plain[0]:  # measured (not NaN): R3's record on vs off, raw vLLM
+        summary["routed_experts_cost"] = round(1.0 - raw_median / float(np.median(plain)), 3)
+        summary["routed_experts_cost_best"] = round(1.0 - raw / max(plain), 3)
     for path in ("ipc", "ipc-hf", "hf"):
         windows = [r["window_ms"] for r in RESULTS if r.get("path") == path]
         rates = [r["load_GBps"] for r in RESULTS if r.get("path") == path]
@@ -236,15 +253,20 @@ def main() -> None:
     ps = prompts(args.prompts, args.prompt_len, seed=1)
     t0 = time.perf_counter()
     engine = VllmSamplerEngine(model_dir, gpu_memory_utilization=args.gpu_mem,
-                               max_model_len=2048, enforce_eager=args.eager)  # fmt: skip
+                               max_model_len=2048, enforce_eager=args.eager,
+                               return_routed_experts=args.routed_experts)  # fmt: skip
     result(bench="start", side="ours", seconds=round(time.perf_counter() - t0, 1))
     try:
         ours_throughput(engine, args, ps)
-        sync_bench(engine, args, model_dir)
+        if not args.skip_sync:
+            sync_bench(engine, args, model_dir)
     finally:
         engine.close()
     if not args.skip_raw:
         raw_throughput(engine.engine_kwargs, args, ps)
+        if args.routed_experts:
+            plain = {**engine.engine_kwargs, "enable_return_routed_experts": False}
+            raw_throughput(plain, args, ps, side="raw_asyncllm_no_routed_experts")
         summarize()
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "gpu_vllm.json").write_text(json.dumps(RESULTS, indent=1))

@@ -42,6 +42,7 @@ def capabilities(config: BackendConfig) -> Capabilities:
             trainer_engine=local.trainer_engine,
             sampler_engine=local.sampler_engine,
             megatron_tp_only=local.megatron.pp == 1 and local.megatron.cp == 1,
+            vllm_routed_experts=local.vllm.return_routed_experts,
         )
     from oneloop.backends.tinker_remote import remote_capabilities
 

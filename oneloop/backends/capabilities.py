@@ -103,13 +103,15 @@ def local_capabilities(
     trainer_engine: str = "torch",
     sampler_engine: str = "torch",
     megatron_tp_only: bool = True,
+    vllm_routed_experts: bool | None = None,
 ) -> Capabilities:
     """The local Ray backend: every built-in loss; both sampler kinds and LoRA with the torch
     engines. The vllm engine holds one live set of full weights, so full fine-tuning runs get
     `inflight` clients only (a snapshot would evict the weights in-flight clients sample from);
     LoRA runs on vllm get both, each version being its own LoRA module (`lora_serving`). The megatron
     engine trains LoRA at any TP size (`megatron.parallel.lora_tp`) but not with pipeline or context
-    parallelism (`megatron.group` refuses it): `megatron_tp_only` is false when pp or cp > 1."""
+    parallelism (`megatron.group` refuses it): `megatron_tp_only` is false when pp or cp > 1.
+    `vllm_routed_experts` is `local.vllm.return_routed_experts` (false: no R3 record on vllm)."""
     return Capabilities(
         backend="local",
         losses=BUILTIN_LOSSES,
@@ -119,8 +121,10 @@ def local_capabilities(
         full_finetune=True,
         max_lora_rank=max_lora_rank,
         models=frozenset(models),
-        # R3: both trainer engines replay; the torch sampler records (vllm's record: not yet)
-        routing_replay=trainer_engine in ("torch", "megatron") and sampler_engine == "torch",
+        # R3: both trainer engines replay; the torch sampler records, and so does vllm unless
+        # `local.vllm.return_routed_experts` is false
+        routing_replay=trainer_engine in ("torch", "megatron")
+        and (sampler_engine == "torch" or vllm_routed_experts is not False),
     )
 
 

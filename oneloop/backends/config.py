@@ -114,6 +114,11 @@ class VllmSettings(_Strict):
     """Skip CUDA graphs and compilation (faster start, slower decode)."""
     attention_backend: str | None = "TRITON_ATTN"
     """vLLM attention backend name; None = vLLM's choice (needs the flash-attention kernels)."""
+    return_routed_experts: bool | None = None
+    """Rollout routing replay's record: vLLM returns, per sampled sequence, the experts each MoE
+    layer routed each position to (`enable_return_routed_experts`), for `algo.routing_replay`.
+    None = on for mixture-of-experts models; false = off (R3 is then refused); true on a dense
+    model is refused."""
     max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = None
     """LoRA runs: largest adapter rank the engine serves (vLLM's allowed ranks); None = the rank
     of the first LoRA client of the base model, rounded up (LoRA off if the first is not LoRA)."""

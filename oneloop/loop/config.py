@@ -248,7 +248,10 @@ class TrainConfig(_Strict):
         replay = self.algo.routing_replay
         if replay:
             caps = (
-                local_capabilities(1, (), local.trainer_engine, local.sampler_engine)
+                local_capabilities(
+                    1, (), local.trainer_engine, local.sampler_engine,
+                    vllm_routed_experts=local.vllm.return_routed_experts,
+                )  # fmt: skip
                 if self.backend.backend == "local"
                 else TINKER_SERVICE
             )

@@ -38,9 +38,9 @@ def batch(seed: int, loss: str, lengths: tuple[int, ...] = LENGTHS) -> list[Datu
     return data
 
 
-def model_dir(tmp_root: Path, shape: str = "0.6b") -> Path:
-    """`ONELOOP_GPU_MODEL_DIR` if set, else a random Qwen3 of `shape` built under `tmp_root`."""
-    given = os.environ.get("ONELOOP_GPU_MODEL_DIR")
+def model_dir(tmp_root: Path, shape: str = "0.6b", env: str = "ONELOOP_GPU_MODEL_DIR") -> Path:
+    """The directory in `env` if set, else a random Qwen3 of `shape` built under `tmp_root`."""
+    given = os.environ.get(env)
     return Path(given) if given else build(shape, tmp_root / f"qwen3-{shape}")
 
 

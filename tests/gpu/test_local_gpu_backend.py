@@ -8,7 +8,14 @@ Checks: vLLM's sampled-token logprobs equal the trainer's target logprobs on the
 complete with every token; the sampler records the expected sync path; `save_state` then
 `create_training_client_from_state_with_optimizer` gives a trainer whose forward loss, and whose
 loss after one more identical step, equal the original's. Device only; figures →
-$OUT/local_gpu_backend_<placement>.json.
+$OUT/local_gpu_backend_<placement>[_moe].json.
+
+Two model families: `dense` (Qwen3-0.6B's shape, or ONELOOP_GPU_MODEL_DIR) and `moe` (4 layers of
+Qwen3-30B-A3B's width with 32 of its 128 experts, or ONELOOP_GPU_MOE_E2E_DIR). On the MoE model
+the in-flight sync also carries the experts in vLLM's fused layout, and the RL step runs with
+rollout routing replay (R3): vLLM returns every sampled sequence's routed experts, they ride in
+the datums, and the megatron trainer's sampled-token logprob gap with them replayed must be
+strictly below its gap routing freely, on the same samples.
 """
 
 import concurrent.futures
@@ -35,9 +42,14 @@ from oneloop.backends.config import (  # noqa: E402
     VllmSettings,
 )
 from oneloop.backends.megatron_local.checkpoints import TinkerPath  # noqa: E402
+from oneloop.backends.sequence_ids import routed_experts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
-MODEL = "qwen3-0.6b-random"
+# family → (model name, build_random_qwen3 shape, env var naming a prebuilt directory)
+FAMILIES = {
+    "dense": ("qwen3-0.6b-random", "0.6b", "ONELOOP_GPU_MODEL_DIR"),
+    "moe": ("qwen3-30b-a3b-4l-32e-random", "30b-a3b-4l-32e", "ONELOOP_GPU_MOE_E2E_DIR"),
+}
 GAP_TOLERANCE = 0.01
 ADAM = types.AdamParams(learning_rate=1e-5, weight_decay=0.0, grad_clip_norm=1.0)
 
@@ -74,8 +86,9 @@ def logprob_gap(trainer, prompt: list[int], sequences) -> np.ndarray:
 PLACEMENTS = {"colocated": (0.25, 0.5, "ipc"), "two_gpus": (0.5, 1.0, "nccl")}
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placement) -> None:
+def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placement, family):
     if placement == "two_gpus" and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (nvidia-h200-x2)")
     import ray
@@ -86,12 +99,13 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     gpus = 1 if placement == "colocated" else 2
     ray.init(address="local", num_gpus=gpus, include_dashboard=False)
     gpus_trainer, gpus_sampler, sync_path = PLACEMENTS[placement]
-    name = f"local_gpu_backend_{placement}"
-    path = model_dir(tmp_path_factory.mktemp("model"))
+    name = f"local_gpu_backend_{placement}" + ("_moe" if family == "moe" else "")
+    model, shape, env = FAMILIES[family]
+    path = model_dir(tmp_path_factory.mktemp("model"), shape, env)
     config = BackendConfig(
         backend="local",
         run_dir=tmp_path_factory.mktemp("run"),
-        models={MODEL: path},
+        models={model: path},
         local=LocalBackendConfig(
             trainer_engine="megatron",
             sampler_engine="vllm",
@@ -102,7 +116,7 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
         ),
     )
     service = connect(config)
-    trainer = service.create_lora_training_client(MODEL, rank=0).result()
+    trainer = service.create_lora_training_client(model, rank=0).result()
     rng = np.random.default_rng(0)
     figures: dict = {"sft_loss": [], "rl_loss": []}
 
@@ -122,6 +136,13 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     gap = logprob_gap(trainer, prompt, group.sequences)
     figures["gap_after_sft"] = {"mean": float(gap.mean()), "max": float(gap.max())}
     record(name, figures)  # recorded as it goes: a later failure keeps these
+    routing = [routed_experts(s) for s in group.sequences]  # R3's record (MoE only)
+    if family == "moe":
+        for seq, routed in zip(group.sequences, routing, strict=True):
+            assert routed is not None and routed.shape[0] == len(prompt) + len(seq.tokens) - 1
+        figures["routed_experts_shape"] = list(routing[0].shape)
+    else:
+        assert routing == [None] * len(routing)
 
     # RL step on the sampled group: group-relative advantages of a made-up reward that differs
     # between samples (the share of even token ids; the count of distinct tokens was 64 for every
@@ -131,13 +152,17 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     figures["rl_rewards"] = rewards.tolist()
     assert np.ptp(rewards) > 0, rewards  # non-zero advantages
     data = []
-    for seq, adv in zip(group.sequences, advantages, strict=True):
+    for seq, adv, routed in zip(group.sequences, advantages, routing, strict=True):
         full = prompt + list(seq.tokens)
         n_prompt = len(prompt) - 1
+        replay = {} if routed is None else {
+            "routed_experts": types.TensorData.from_numpy(routed.astype(np.int64))
+        }  # fmt: skip
         data.append(
             types.Datum(
                 model_input=types.ModelInput.from_ints(full[:-1]),
                 loss_fn_inputs={
+                    **replay,
                     "target_tokens": full[1:],
                     "logprobs": [0.0] * n_prompt + list(seq.logprobs),
                     "advantages": [0.0] * n_prompt + [float(adv)] * len(seq.tokens),
@@ -157,8 +182,20 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     before = trainer.forward(sampled_nll, "cross_entropy").result().metrics["loss:sum"]
     fwd = trainer.forward_backward(data, "importance_sampling")
     opt = trainer.optim_step(ADAM)
-    figures["rl_loss"].append(fwd.result().metrics["loss:sum"])
+    rl_metrics = fwd.result().metrics
+    figures["rl_loss"].append(rl_metrics["loss:sum"])
     opt.result()
+    if family == "moe":  # R3: vLLM's experts replayed vs the trainer's own, same samples
+        tokens = rl_metrics["routing/gap_tokens:sum"]
+        figures["r3"] = {
+            "gap_replay_mean": rl_metrics["routing/gap_replay:sum"] / tokens,
+            "gap_free_mean": rl_metrics["routing/gap_free:sum"] / tokens,
+            "routing_differ_frac": rl_metrics["routing/differ:sum"]
+            / rl_metrics["routing/positions:sum"],
+            "sampled_tokens": tokens,
+        }
+        record(name, figures)
+        assert figures["r3"]["gap_replay_mean"] < figures["r3"]["gap_free_mean"], figures["r3"]
     after_rl = trainer.forward(sampled_nll, "cross_entropy").result().metrics["loss:sum"]
     figures["rl_step_nll_before_after"] = [before, after_rl]
     assert figures["rl_loss"][-1] != 0.0 and after_rl != before  # the RL step moved the weights
@@ -189,6 +226,9 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     ((sampler_actor,),) = [p.actors for p in service._samplers.values()]  # one model, one sampler
     history = ray.get(sampler_actor.sync_history.remote(), timeout=60)
     figures["sync_history"] = history
+    inflight = history[-1]  # bytes over the load time: the in-flight update's rate
+    figures["inflight_window_ms"] = inflight["window_ms"]
+    figures["inflight_gb_per_s"] = inflight["bytes"] / inflight["load_ms"] / 1e6
     assert [h["path"] for h in history] == [sync_path] * 2, history
 
     saved = trainer.save_state("final").result()

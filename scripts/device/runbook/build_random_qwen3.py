@@ -33,6 +33,11 @@ MOE_SHAPES = {  # config.json of Qwen/Qwen3-30B-A3B, 4 of its 48 layers
     "30b-a3b-4l": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+    # The same layers with 32 of the 128 experts (top-8 kept): real attention and expert widths,
+    # small enough for the whole local backend on one GPU with two trainers (the e2e test).
+    "30b-a3b-4l-32e": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                           num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
+                           num_experts=32, num_experts_per_tok=8, norm_topk_prob=True),
 }  # fmt: skip
 HYBRID_SHAPES = {  # Qwen3.6-35B-A3B's text model (the config class defaults), 4 of its 40 layers
     "35b-a3b-4l": dict(

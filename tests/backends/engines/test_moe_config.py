@@ -23,13 +23,55 @@ def test_routing_replay_runs_on_the_local_torch_engines_with_a_moe_model():
     assert local_capabilities(8, trainer_engine="megatron").routing_replay  # megatron.routing
     load_config("demo-cpu", [REPLAY, f"model.base_model={TINY_QWEN3_MOE}",
                              "backend.local.trainer_engine=megatron"])  # fmt: skip
+    # vLLM records the routing (enable_return_routed_experts) unless told not to
+    vllm = ["backend.local.trainer_engine=megatron", "backend.local.sampler_engine=vllm"]
+    load_config("demo-cpu", [REPLAY, f"model.base_model={TINY_QWEN3_MOE}", *vllm])
+    assert local_capabilities(8, trainer_engine="megatron", sampler_engine="vllm").routing_replay
+    assert not local_capabilities(
+        8, trainer_engine="megatron", sampler_engine="vllm", vllm_routed_experts=False
+    ).routing_replay
+
+
+def test_vllm_routed_experts_follow_the_model_and_a_dense_model_refuses_them():
+    from oneloop.backends.config import VllmSettings
+    from oneloop.backends.megatron_local.engines.factory import vllm_routed_experts
+    from oneloop.tiny.model import build_tiny_model
+
+    moe = build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])
+    dense = build_tiny_model(named_tiny_specs()["oneloop/tiny-qwen3"])
+    assert vllm_routed_experts(VllmSettings(), moe) is True
+    assert vllm_routed_experts(VllmSettings(), dense) is False
+    assert vllm_routed_experts(VllmSettings(return_routed_experts=False), moe) is False
+    with pytest.raises(ConfigError, match=r"local\.vllm\.return_routed_experts: true needs"):
+        vllm_routed_experts(VllmSettings(return_routed_experts=True), dense)
+
+
+def test_vllm_routing_record_keeps_the_fed_positions():
+    """vLLM's per-completion routed experts [fed positions, layers, top-k] → R3's record of the
+    prompt and every sampled token but the last; a missing or short record is an error."""
+    import numpy as np
+
+    from oneloop.backends.megatron_local.engines.vllm.outputs import routing_record
+    from oneloop.errors import BackendError
+
+    routed = np.arange(10 * 2 * 3, dtype=np.int32).reshape(10, 2, 3)
+    record = routing_record(routed, 9)  # prompt 4 + 6 sampled tokens - 1
+    assert record.dtype == np.int16 and np.array_equal(record, routed[:9])
+    assert np.array_equal(routing_record(routed[:9], 9), routed[:9])
+    with pytest.raises(BackendError, match=r"shape \(8, 2, 3\); expected \[>= 9 positions"):
+        routing_record(routed[:8], 9)
+    with pytest.raises(BackendError, match="no routed experts"):
+        routing_record(None, 9)
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["backend.backend=tinker", "model.lora_rank=8"], "not supported by backend 'tinker'"),
-        (["backend.local.sampler_engine=vllm"], "not supported by backend 'local'"),
+        (
+            ["backend.local.sampler_engine=vllm", "backend.local.vllm.return_routed_experts=false"],
+            "not supported by backend 'local'",
+        ),
         ([f"model.base_model={TINY_QWEN3_5}"], "routing replay needs a mixture-of-experts model"),
         (["model.base_model=oneloop/tiny-qwen3"], "is dense"),
     ],

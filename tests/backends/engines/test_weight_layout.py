@@ -114,6 +114,73 @@ def test_mismatches_are_listed_by_name() -> None:
         hf_to_vllm_layout(hf, vllm_layout(tied=True))
 
 
+EXPERTS, MOE_INTER, TOP_K = 4, 32, 2
+
+
+def tiny_qwen3_moe() -> dict[str, torch.Tensor]:
+    """A tiny Qwen3-MoE's state dict in transformers' layout (experts fused per layer)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=MOE_INTER,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def vllm_moe_layout() -> list[tuple[str, str, tuple[int, ...]]]:
+    """vLLM's Qwen3-MoE parameters at tensor parallel size 1, from its model code: the dense
+    MLP rows replaced by the router `mlp.gate` (ReplicatedLinear [E, hidden]) and FusedMoE's
+    `experts.w13_weight` [E, 2·F, hidden] / `experts.w2_weight` [E, hidden, F]."""
+    bf = "bfloat16"
+    rows = []
+    for name, dtype, shape in vllm_layout(tied=False):
+        if ".mlp.gate_up_proj." in name:
+            head = name.split(".mlp.")[0] + ".mlp"
+            rows += [
+                (f"{head}.gate.weight", bf, (EXPERTS, HIDDEN)),
+                (f"{head}.experts.w13_weight", bf, (EXPERTS, 2 * MOE_INTER, HIDDEN)),
+                (f"{head}.experts.w2_weight", bf, (EXPERTS, HIDDEN, MOE_INTER)),
+            ]
+        elif ".mlp.down_proj." not in name:
+            rows.append((name, dtype, shape))
+    return rows
+
+
+@pytest.mark.parametrize("form", ["per_expert", "fused"])
+def test_moe_experts_stack_into_fused_moe_parameters(form: str) -> None:
+    """Per-expert checkpoint names (as the megatron engine exports them) and transformers' fused
+    experts both give FusedMoE's w13 (gate rows, then up rows, per expert) and w2 (down)."""
+    from oneloop.backends.megatron_local.engines.hf import split_experts
+
+    fused_hf = tiny_qwen3_moe()
+    hf = split_experts(fused_hf) if form == "per_expert" else fused_hf
+    layout = vllm_moe_layout()
+    built = dict(hf_to_vllm_layout(hf, layout))
+    assert list(built) == [name for name, _, _ in layout]
+    per_expert = split_experts(fused_hf)
+    for i in range(LAYERS):
+        m = f"model.layers.{i}.mlp"
+        for j in range(EXPERTS):
+            e = f"{m}.experts.{j}"
+            gate_up = torch.cat(
+                [per_expert[f"{e}.gate_proj.weight"], per_expert[f"{e}.up_proj.weight"]]
+            )
+            assert torch.equal(built[f"{m}.experts.w13_weight"][j], gate_up)
+            assert torch.equal(
+                built[f"{m}.experts.w2_weight"][j], per_expert[f"{e}.down_proj.weight"]
+            )
+        assert torch.equal(built[f"{m}.gate.weight"], hf[f"{m}.gate.weight"])
+    if form == "per_expert":  # a missing expert is named
+        del hf["model.layers.1.mlp.experts.3.up_proj.weight"]
+        with pytest.raises(ValueError, match=r"w13_weight: missing .*experts\.3\.up_proj"):
+            hf_to_vllm_layout(hf, layout)
+
+
 def test_pack_and_unpack_round_trip_with_aligned_offsets() -> None:
     named = hf_to_vllm_layout(tiny_qwen3(tied=False), vllm_layout(tied=False))
     named.append(("odd.float32", torch.arange(5, dtype=torch.float32)))

@@ -5,9 +5,9 @@ GPU engines are imported lazily, so a CPU install never imports megatron-core or
 
 from pathlib import Path
 
-from oneloop.backends.config import LocalBackendConfig
+from oneloop.backends.config import LocalBackendConfig, VllmSettings
 from oneloop.backends.megatron_local.engines.base import LoraSpec, SamplerEngine, TrainerEngine
-from oneloop.errors import MissingDependencyError
+from oneloop.errors import ConfigError, MissingDependencyError
 
 
 def missing_gpu_extra(knob: str, kind: str, error: ImportError) -> MissingDependencyError:
@@ -124,8 +124,26 @@ def make_sampler_engine(
 
     dtype = "bfloat16" if local.dtype == "bfloat16" else "float32"
     settings = local.vllm.model_dump(exclude={"max_lora_rank", "max_loras", "max_cpu_loras"})
+    settings["return_routed_experts"] = vllm_routed_experts(local.vllm, model_path)
     v = local.vllm
     lora = lora_serving(lora_rank, v.max_loras, v.max_cpu_loras, local.max_snapshots)
     return VllmSamplerEngine(
         model_path, dtype=dtype, lora=lora, max_snapshots=local.max_snapshots, **settings
+    )
+
+
+def vllm_routed_experts(settings: VllmSettings, model_path: Path) -> bool:
+    """`local.vllm.return_routed_experts` for the model at `model_path`: None → on for a
+    mixture-of-experts model; true on a dense model is refused (there is nothing to record)."""
+    from oneloop.backends.model_check import model_config, num_experts
+
+    config = model_config({}, str(model_path))
+    experts = num_experts(config) if config is not None else 0
+    if settings.return_routed_experts and not experts:
+        raise ConfigError(
+            f"local.vllm.return_routed_experts: true needs a mixture-of-experts model, but "
+            f"{model_path} has no experts; leave it unset (on for MoE models) or false"
+        )
+    return (
+        bool(experts) if settings.return_routed_experts is None else settings.return_routed_experts
     )

@@ -5,7 +5,11 @@ This module owns the layout half of the vLLM fast weight path (pure torch, no vL
   `packed_modules_mapping` of vLLM's Qwen2/Qwen3/Llama models: `qkv_proj = cat(q, k, v)` and
   `gate_up_proj = cat(gate, up)` on dim 0 (tensor parallel size 1: one rank holds every shard);
   a tied `lm_head` has no parameter of its own in vLLM (it *is* `embed_tokens`), an untied one is
-  copied; a vocabulary padded by vLLM's embedding is zero-padded.
+  copied; a vocabulary padded by vLLM's embedding is zero-padded. Mixture-of-experts layers
+  (Qwen3-MoE) hold every expert of a layer in two `FusedMoE` parameters: `experts.w13_weight`
+  [E, 2·F, H] (expert j's gate rows, then its up rows) and `experts.w2_weight` [E, H, F] (down),
+  built from the checkpoint's per-expert tensors (`experts.{j}.gate_proj.weight`, ...) or from
+  transformers' fused `experts.gate_up_proj` / `experts.down_proj`.
 - `pack_flat`: those tensors into one contiguous uint8 buffer, each entry aligned to
   `ALIGN_BYTES`, so a receiver views every parameter out of one allocation; `unpack_flat` and the
   entries' plain msgpack wire form (`entries_to_wire` / `entries_from_wire`).
@@ -46,6 +50,37 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# vLLM FusedMoE parameter suffix → (per-expert projections concatenated per expert, transformers'
+# fused name for the same tensor)
+EXPERTS = {
+    ".mlp.experts.w13_weight": (("gate_proj", "up_proj"), "gate_up_proj"),
+    ".mlp.experts.w2_weight": (("down_proj",), "down_proj"),
+}
+
+
+def _expert_sources(name: str, hf: dict[str, torch.Tensor], experts: int) -> list[str]:
+    """The Hugging Face tensors of FusedMoE parameter `name` of `experts` experts
+    (expert-major, projections in concatenation order)."""
+    suffix = next(s for s in EXPERTS if name.endswith(s))
+    parts, fused = EXPERTS[suffix]
+    head = name[: -len(suffix)] + ".mlp.experts"
+    if f"{head}.{fused}" in hf:  # transformers' module layout: already [E, ...]
+        return [f"{head}.{fused}"]
+    return [f"{head}.{j}.{part}.weight" for j in range(experts) for part in parts]
+
+
+def _combine(parts: list[torch.Tensor], experts: int | None) -> torch.Tensor:
+    """One vLLM parameter from its sources: concatenated on dim 0, or for a FusedMoE parameter
+    built from per-expert tensors, each expert's projections concatenated, then stacked."""
+    if len(parts) == 1:
+        return parts[0]
+    if experts is None:
+        return torch.cat(parts, dim=0)
+    per = len(parts) // experts
+    rows = [parts[j * per : (j + 1) * per] for j in range(experts)]
+    return torch.stack([r[0] if per == 1 else torch.cat(r, dim=0) for r in rows])
+
+
 def _sources(name: str, hf: dict[str, torch.Tensor]) -> list[str]:
     """The Hugging Face tensors that make vLLM parameter `name`, in concatenation order."""
     for fused, parts in FUSED.items():
@@ -69,14 +104,16 @@ def hf_to_vllm_layout(
     used: set[str] = set()
     problems: list[str] = []
     for name, dtype_str, shape in layout:
-        sources = _sources(name, hf)
+        fused_moe = len(shape) == 3 and any(name.endswith(s) for s in EXPERTS)
+        experts = int(shape[0]) if fused_moe else None
+        sources = _expert_sources(name, hf, experts) if experts else _sources(name, hf)
         missing = [s for s in sources if s not in hf]
         if missing:
-            problems.append(f"{name}: missing Hugging Face tensor(s) {missing}")
+            shown = missing[:4] + ([f"... {len(missing) - 4} more"] if len(missing) > 4 else [])
+            problems.append(f"{name}: missing Hugging Face tensor(s) {shown}")
             continue
         used.update(sources)
-        parts = [hf[s] for s in sources]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        tensor = _combine([hf[s] for s in sources], experts)
         want = tuple(int(d) for d in shape)
         if name in (EMBED, LM_HEAD) and len(want) == 2 and tensor.shape[1:] == want[1:]:
             pad = want[0] - tensor.shape[0]

@@ -49,16 +49,40 @@ def _values(logprobs, tokens) -> np.ndarray:
     return out
 
 
-def sequence(completion) -> SampledArrays:
+def routing_record(routed, positions: int) -> np.ndarray:
+    """vLLM's `CompletionOutput.routed_experts` ([fed positions, MoE layers, top-k], the experts
+    each MoE layer routed each position to) → int16 [positions, layers, top-k]: the rows of the
+    prompt and every sampled token but the last, which was never fed (R3's record)."""
+    if routed is None:
+        raise BackendError(
+            "vllm returned no routed experts although the engine was started with "
+            "enable_return_routed_experts (local.vllm.return_routed_experts)"
+        )
+    array = np.asarray(routed)
+    if array.ndim != 3 or array.shape[0] < positions:
+        raise BackendError(
+            f"vllm routed experts have shape {array.shape}; expected [>= {positions} positions "
+            "(prompt + sampled tokens - 1), MoE layers, top-k]"
+        )
+    return array[:positions].astype(np.int16)
+
+
+def sequence(completion, prompt_tokens: int = 0, routing: bool = False) -> SampledArrays:
+    """One vLLM `CompletionOutput` → our arrays; `routing`: with its routed experts (R3) for a
+    prompt of `prompt_tokens` tokens."""
     if completion.finish_reason not in ("stop", "length"):
         raise BackendError(f"vllm finished a sequence with reason {completion.finish_reason!r}")
     tokens = np.asarray(completion.token_ids, dtype=np.int32)
     if completion.logprobs is None:
         raise BackendError("vllm returned no logprobs although logprobs=0 was asked")
+    routed = None
+    if routing:
+        routed = routing_record(completion.routed_experts, prompt_tokens + len(tokens) - 1)
     return SampledArrays(
         tokens=tokens,
         logprobs=_values(completion.logprobs, tokens),
         stop_reason=completion.finish_reason,
+        routed_experts=routed,
     )
 
 

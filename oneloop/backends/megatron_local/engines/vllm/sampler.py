@@ -28,6 +28,9 @@
   Hugging Face arrays (reference: the model's own `load_weights`), `CudaIpcWeights` (same GPU:
   straight copies into the parameters' storage) or `NcclWeights` (a trainer on another GPU:
   received straight into the parameters' storage over a group opened by `open_weight_group`).
+- Rollout routing replay (`return_routed_experts`, MoE models): vLLM's
+  `enable_return_routed_experts`; every sampled sequence carries the experts each MoE layer routed
+  each fed position to (`SampledArrays.routed_experts`, the record the trainer replays).
 - Tensor parallelism (`tp` > 1, `local.vllm.tp`): vLLM's worker processes on the actor's tp GPUs;
   every load is a `collective_rpc` that each worker runs on its own shard (the Hugging Face path:
   vLLM's loader slices each tensor per rank), and `SyncRecord.workers` counts the ranks that
@@ -108,6 +111,7 @@ class VllmSamplerEngine(SamplerEngine):
         lora: LoraServing | None = None,
         max_snapshots: int = 8,
         tp: int = 1,
+        return_routed_experts: bool = False,
     ) -> None:
         # tp > 1: vLLM's own worker processes on the actor's tp GPUs (its "mp" executor); the
         # default would pick Ray's executor inside our placement group and find no bundle free.
@@ -126,10 +130,12 @@ class VllmSamplerEngine(SamplerEngine):
             logprobs_mode="raw_logprobs",
             enable_prefix_caching=True,
             disable_log_stats=True,
+            enable_return_routed_experts=return_routed_experts,
             **(parallel if tp > 1 else {}),
             **(lora.engine_args() if lora is not None else {}),
             **(extra_engine_args or {}),
         )
+        self.returns_routed_experts = return_routed_experts
         self.lora = lora
         self.serves_adapters = lora is not None
         # LoRA engines: weight keys → adapters (the base weights stay as loaded).
@@ -456,7 +462,10 @@ class VllmSamplerEngine(SamplerEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         out, version = await self._generate(key, request.prompt, params)
-        sequences = [sequence(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        sequences = [
+            sequence(c, len(request.prompt), self.returns_routed_experts)
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
         if len(sequences) != request.num_samples:
             raise BackendError(
                 f"vllm returned {len(sequences)} sequences, asked for {request.num_samples}"
