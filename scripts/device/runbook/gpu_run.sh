@@ -25,7 +25,11 @@
 #                                    trainer on a 4-layer Qwen3-30B-A3B-width MoE: gap R3 on < off
 #   vllm                             vLLM engine tests, engine-vs-raw and weight-sync benches
 #   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
-#                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL)
+#                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL);
+#                                    dense 0.6B and (after setup_moe) the 32-expert 30B-A3B width
+#                                    with R3; E2E_K selects cases
+#   vllm_moe                         after setup_moe: gpu_vllm.py on that MoE, routed experts on,
+#                                    vs raw vLLM with and without them
 #   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
 #   tp        (nvidia-h200-x2)       megatron engine at TP=2 vs TP=1 (tests/gpu/test_megatron_tp.py)
 #   mfu                              megatron MFU per speed switch vs baseline vs torch (~4 min;
@@ -82,8 +86,9 @@ case "$stage" in
     python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
   setup3)
     pip_target .w3/ray*.whl .w4/*.whl
-    python3 scripts/device/runbook/build_random_qwen3.py --shape 0.6b --out /tmp/models/qwen3-0.6b
-    python3 scripts/device/runbook/build_random_qwen3.py --shape 1.7b --out /tmp/models/qwen3-1.7b
+    for shape in ${MODELS-0.6b 1.7b}; do   # MODELS="" builds none
+      python3 scripts/device/runbook/build_random_qwen3.py --shape "$shape" --out "/tmp/models/qwen3-$shape"
+    done
     python3 -c "import ray, tinker, megatron.core; print('ray', ray.__version__, 'tinker', tinker.__version__)" ;;
   setup_moe)   # carry [".w5"] (scripts/device/packers/prepare_moe_part.sh): vLLM's MoE kernels
     xz -dc .w5/_moe_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
@@ -123,18 +128,28 @@ case "$stage" in
   megatron_hybrid)   # carry [".wfla"]: flash-linear-attention, fla-core 0.6.0 and einops wheels
     # (`pip download --no-deps -d .wfla flash-linear-attention==0.6.0 fla-core==0.6.0 einops`);
     # megatron hybrid engine vs torch engine, fp32, on the 4-layer Qwen3.6-35B-A3B text width
+    # HYBRID_SHAPE=35b-a3b-4l-32e: the same layers with 32 of the 256 experts (a shorter call)
     pip_target .wfla/*.whl
-    python3 scripts/device/runbook/build_random_qwen3.py --shape 35b-a3b-4l --out /tmp/models/qwen3.6-35b-a3b-4l
-    ONELOOP_GPU_HYBRID_DIR=/tmp/models/qwen3.6-35b-a3b-4l pytest_gpu tests/gpu/test_megatron_hybrid.py \
+    hybrid="/tmp/models/qwen3.6-${HYBRID_SHAPE:-35b-a3b-4l}"
+    python3 scripts/device/runbook/build_random_qwen3.py --shape "${HYBRID_SHAPE:-35b-a3b-4l}" --out "$hybrid"
+    ONELOOP_GPU_HYBRID_DIR="$hybrid" pytest_gpu tests/gpu/test_megatron_hybrid.py \
       > "$OUT/megatron_hybrid.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/megatron_hybrid.log" | tail -20
     tail -25 "$OUT/megatron_hybrid.log" ;;
   vllm)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
-  e2e)
-    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_local_gpu_backend.py > "$OUT/e2e.log" 2>&1
+  e2e)   # E2E_K="moe and colocated" picks cases (-k); the MoE cases need setup_moe
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l-32e --out /tmp/models/qwen3-30b-a3b-4l-32e
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b ONELOOP_GPU_MOE_E2E_DIR=/tmp/models/qwen3-30b-a3b-4l-32e \
+      pytest_gpu tests/gpu/test_local_gpu_backend.py -k "${E2E_K:-dense or moe}" > "$OUT/e2e.log" 2>&1
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/e2e.log" | tail -20; tail -30 "$OUT/e2e.log" ;;
+  vllm_moe)   # after setup_moe: our engine vs raw vLLM decode on the 32-expert 30B-A3B width,
+    # routed experts (R3) returned, and raw vLLM without them (the record's cost)
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l-32e --out /tmp/models/qwen3-30b-a3b-4l-32e
+    python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-30b-a3b-4l-32e --routed-experts \
+      --skip-sync --eager --reps "${REPS:-3}" > "$OUT/vllm_moe.log" 2>&1 || tail -40 "$OUT/vllm_moe.log"
+    grep RESULT "$OUT/vllm_moe.log" | tail -12 ;;
   nccl)
     python3 benchmarks/gpu_nccl_sync.py --model-dir /tmp/models/qwen3-0.6b > "$OUT/nccl.log" 2>&1 \
       || tail -40 "$OUT/nccl.log"
