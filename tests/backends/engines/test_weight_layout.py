@@ -135,7 +135,8 @@ def tiny_qwen3_moe() -> dict[str, torch.Tensor]:
 def vllm_moe_layout() -> list[tuple[str, str, tuple[int, ...]]]:
     """vLLM's Qwen3-MoE parameters at tensor parallel size 1, from its model code: the dense
     MLP rows replaced by the router `mlp.gate` (ReplicatedLinear [E, hidden]) and FusedMoE's
-    `experts.w13_weight` [E, 2·F, hidden] / `experts.w2_weight` [E, hidden, F]."""
+    `experts.routed_experts.w13_weight` [E, 2·F, hidden] / `...w2_weight` [E, hidden, F] (the
+    names vLLM 0.26 reported on the device)."""
     bf = "bfloat16"
     rows = []
     for name, dtype, shape in vllm_layout(tied=False):
@@ -143,8 +144,8 @@ def vllm_moe_layout() -> list[tuple[str, str, tuple[int, ...]]]:
             head = name.split(".mlp.")[0] + ".mlp"
             rows += [
                 (f"{head}.gate.weight", bf, (EXPERTS, HIDDEN)),
-                (f"{head}.experts.w13_weight", bf, (EXPERTS, 2 * MOE_INTER, HIDDEN)),
-                (f"{head}.experts.w2_weight", bf, (EXPERTS, HIDDEN, MOE_INTER)),
+                (f"{head}.experts.routed_experts.w13_weight", bf, (EXPERTS, 2 * MOE_INTER, HIDDEN)),
+                (f"{head}.experts.routed_experts.w2_weight", bf, (EXPERTS, HIDDEN, MOE_INTER)),
             ]
         elif ".mlp.down_proj." not in name:
             rows.append((name, dtype, shape))
@@ -170,9 +171,10 @@ def test_moe_experts_stack_into_fused_moe_parameters(form: str) -> None:
             gate_up = torch.cat(
                 [per_expert[f"{e}.gate_proj.weight"], per_expert[f"{e}.up_proj.weight"]]
             )
-            assert torch.equal(built[f"{m}.experts.w13_weight"][j], gate_up)
+            assert torch.equal(built[f"{m}.experts.routed_experts.w13_weight"][j], gate_up)
             assert torch.equal(
-                built[f"{m}.experts.w2_weight"][j], per_expert[f"{e}.down_proj.weight"]
+                built[f"{m}.experts.routed_experts.w2_weight"][j],
+                per_expert[f"{e}.down_proj.weight"],
             )
         assert torch.equal(built[f"{m}.gate.weight"], hf[f"{m}.gate.weight"])
     if form == "per_expert":  # a missing expert is named

@@ -20,6 +20,7 @@ The layout itself — `(name, dtype, shape)` for every vLLM parameter — comes 
 (`OneloopWorkerExtension.param_layout`), so the packer never guesses vLLM's names.
 """
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,20 +51,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# vLLM FusedMoE parameter suffix → (per-expert projections concatenated per expert, transformers'
-# fused name for the same tensor)
+# vLLM FusedMoE parameter → (per-expert projections concatenated per expert, transformers' fused
+# name for the same tensor). vLLM 0.26 names them `<layer>.mlp.experts.routed_experts.w13_weight`
+# (the experts module wraps its FusedMoE); older releases drop `routed_experts.`.
+FUSED_MOE = re.compile(r"^(.*\.mlp\.experts)\.(?:routed_experts\.)?(w13_weight|w2_weight)$")
 EXPERTS = {
-    ".mlp.experts.w13_weight": (("gate_proj", "up_proj"), "gate_up_proj"),
-    ".mlp.experts.w2_weight": (("down_proj",), "down_proj"),
+    "w13_weight": (("gate_proj", "up_proj"), "gate_up_proj"),
+    "w2_weight": (("down_proj",), "down_proj"),
 }
 
 
 def _expert_sources(name: str, hf: dict[str, torch.Tensor], experts: int) -> list[str]:
     """The Hugging Face tensors of FusedMoE parameter `name` of `experts` experts
     (expert-major, projections in concatenation order)."""
-    suffix = next(s for s in EXPERTS if name.endswith(s))
-    parts, fused = EXPERTS[suffix]
-    head = name[: -len(suffix)] + ".mlp.experts"
+    match = FUSED_MOE.match(name)
+    assert match is not None, name
+    head, (parts, fused) = match.group(1), EXPERTS[match.group(2)]
     if f"{head}.{fused}" in hf:  # transformers' module layout: already [E, ...]
         return [f"{head}.{fused}"]
     return [f"{head}.{j}.{part}.weight" for j in range(experts) for part in parts]
@@ -104,7 +107,7 @@ def hf_to_vllm_layout(
     used: set[str] = set()
     problems: list[str] = []
     for name, dtype_str, shape in layout:
-        fused_moe = len(shape) == 3 and any(name.endswith(s) for s in EXPERTS)
+        fused_moe = len(shape) == 3 and FUSED_MOE.match(name) is not None
         experts = int(shape[0]) if fused_moe else None
         sources = _expert_sources(name, hf, experts) if experts else _sources(name, hf)
         missing = [s for s in sources if s not in hf]

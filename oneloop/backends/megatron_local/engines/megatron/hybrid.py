@@ -20,8 +20,9 @@ RoPE is megatron-core's, on the first `partial_rotary_factor` of each head's dim
 `speed.fused_rope` (full-dimension RoPE inside the SDPA attention) is refused for these models.
 
 Kernels: on GPU the Gated DeltaNet runs flash-linear-attention's Triton kernels (the `gpu`
-extra). On CPU the engine sets `deterministic_mode`, which selects megatron-core's torch chunked
-delta rule and `F.conv1d`; megatron-core still asks fla for its `l2norm` there, which the CPU
+extra), except on Hopper GPUs with a Triton fla refuses for the backward (`training_kernel`,
+`gdn_kernels`: the torch chunked delta rule there). On CPU the engine sets `deterministic_mode`,
+which selects megatron-core's torch chunked delta rule and `F.conv1d`; megatron-core still asks fla for its `l2norm` there, which the CPU
 checks supply (`tests/.../cpu_megatron.gdn_without_fla`). `perform_initialization` is off: every
 weight comes from the checkpoint (GDN's initialiser needs the CUDA RNG tracker).
 
@@ -112,6 +113,20 @@ def _norm_class():
             return (normed * (1.0 + weight if self.zero_centered else weight)).to(x.dtype)
 
     return ZeroCenteredRMSNorm
+
+
+def training_kernel(model) -> str | None:
+    """On a GPU where flash-linear-attention refuses its gated delta rule backward
+    (`gdn_kernels.fla_backward_refusal`), switch every GatedDeltaNet layer to megatron-core's
+    torch chunked delta rule; returns "torch" then, else None (fla's kernels)."""
+    from oneloop.backends.megatron_local.engines import gdn_kernels
+
+    reason = gdn_kernels.fla_backward_refusal()
+    if reason is None:
+        return None
+    layers = gdn_kernels.use_torch_delta_rule_in_megatron(model)
+    gdn_kernels.log.warning("%s: %d megatron GDN layers use the torch delta rule", reason, layers)
+    return "torch"
 
 
 def block_spec(shape: HybridShape, core_attention, grouped_experts: bool):

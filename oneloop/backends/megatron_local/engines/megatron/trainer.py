@@ -158,9 +158,7 @@ def optimizer_file(layout: dict[str, int], rank: int) -> str:
     resume)."""
     if all(size == 1 for size in layout.values()):
         return OPTIMIZER_FILE
-    extra = "".join(
-        f".{k}{layout[k]}" for k in ("pp", "cp", "dp", "ep") if layout.get(k, 1) > 1
-    )
+    extra = "".join(f".{k}{layout[k]}" for k in ("pp", "cp", "dp", "ep") if layout.get(k, 1) > 1)
     return f"optimizer.tp{layout['tp']}{extra}.rank{rank}.pt"
 
 
@@ -296,6 +294,8 @@ class MegatronTrainerEngine(TrainerEngine):
             rotary_base=int(self.shape.rope_theta),
             rotary_percent=self.shape.rotary_percent,
         )
+        if self.shape.hybrid and self.device.type == "cuda":
+            hybrid.training_kernel(model)  # fla's backward refused: torch delta rule
         if self.speed.bf16_norms:
             megatron_speed.cast_norms(model, self.dtype)
         return model.to(self.device)
