@@ -19,12 +19,13 @@ RoPE is megatron-core's, on the first `partial_rotary_factor` of each head's dim
 (Qwen3.5's text positions are one row, so its multimodal RoPE reduces to this);
 `speed.fused_rope` (full-dimension RoPE inside the SDPA attention) is refused for these models.
 
-Kernels: on GPU the Gated DeltaNet runs flash-linear-attention's Triton kernels (the `gpu`
-extra), except on Hopper GPUs with a Triton fla refuses for the backward (`training_kernel`,
-`gdn_kernels`: the torch chunked delta rule there). On CPU the engine sets `deterministic_mode`,
-which selects megatron-core's torch chunked delta rule and `F.conv1d`; megatron-core still asks fla for its `l2norm` there, which the CPU
-checks supply (`tests/.../cpu_megatron.gdn_without_fla`). `perform_initialization` is off: every
-weight comes from the checkpoint (GDN's initialiser needs the CUDA RNG tracker).
+Kernels: on GPU the Gated DeltaNet runs flash-linear-attention's Triton kernels (the `gpu` extra),
+except on Hopper GPUs with a Triton fla refuses for the backward (`training_kernel`, `gdn_kernels`:
+the torch chunked delta rule there). On CPU the engine sets `deterministic_mode`, which selects
+megatron-core's torch chunked delta rule and `F.conv1d`; megatron-core still asks fla for its
+`l2norm` there, which the CPU checks supply (`tests/.../cpu_megatron.gdn_without_fla`).
+`perform_initialization` is off: every weight comes from the checkpoint (GDN's initialiser needs the
+CUDA RNG tracker).
 
 Checkpoints: a multimodal Qwen3.5 / 3.6 checkpoint stores its decoder under
 `model.language_model.`; `text_weights` reads that (the vision tower and the MTP head stay out of
