@@ -253,7 +253,12 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
               for c in (trainer, restored)]  # fmt: skip
     figures["restored_loss_after_step"] = losses
     record(name, figures)
-    assert figures["restored_loss"][0] == figures["restored_loss"][1]  # the same weights
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6)  # and the same optimizer state
+    # Dense: bitwise the same forward. MoE: the restored trainer's loss differed from the
+    # original's in the last bits on the H200 (1.5e-7 relative; 2.1e-6 after one more step each),
+    # with save/load of the MoE weights exact (test_megatron_moe): the MoE forward is not bitwise
+    # repeatable there (not diagnosed further).
+    same, after_step = (0.0, 1e-6) if family == "dense" else (1e-6, 1e-5)
+    assert figures["restored_loss"][0] == pytest.approx(figures["restored_loss"][1], rel=same)
+    assert losses[0] == pytest.approx(losses[1], rel=after_step)  # and the same optimizer state
     assert figures["gap_after_sft"]["mean"] <= GAP_TOLERANCE
     assert figures["gap_after_inflight_sync"]["mean"] <= GAP_TOLERANCE
