@@ -8,8 +8,8 @@ figures would measure the init, not the engine. forward_backward loss and target
 grad norm and the update of one optim_step are compared.
 
 Device only (`pytest -m gpu tests/gpu/test_megatron_hybrid.py`; gpu_run.sh stage
-`megatron_hybrid`, which carries flash-linear-attention and einops in `.wfla`). Not yet run on the
-device. Figures → $OUT/megatron_hybrid.json.
+`megatron_hybrid`, which carries flash-linear-attention and einops in `.wfla`). Run on the H200
+2026-12-03 (32-expert shape; figures in the README). Figures → $OUT/megatron_hybrid.json.
 """
 
 import gc
