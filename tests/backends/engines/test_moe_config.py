@@ -126,3 +126,22 @@ def test_size_counts_the_hybrid_layers_fixed_state_per_sequence(tmp_path, capsys
     per_sequence = 2000 * report["kv_bytes_per_token_per_gpu"] + state
     assert report["system_cap"] == 4 * (report["kv_budget_bytes_per_gpu"] // per_sequence)
     assert report["system_cap"] < 4 * (report["kv_tokens_per_engine"] // 2000)
+
+
+def test_vllm_model_args_serve_hybrids_text_only_with_triton_gdn_prefill(tmp_path):
+    """What vLLM 0.26 needed on the device for Qwen3.5 / 3.6: a multimodal checkpoint served
+    text-only, and Triton's GDN prefill where FlashInfer is missing (as on this machine)."""
+    import importlib.util
+
+    from transformers import Qwen3_5MoeConfig
+
+    from oneloop.backends.megatron_local.engines.factory import vllm_model_args
+    from oneloop.tiny.model import build_tiny_model
+
+    assert importlib.util.find_spec("flashinfer") is None  # the CPU venv has no FlashInfer
+    triton = {"additional_config": {"gdn_prefill_backend": "triton"}}
+    hybrid = build_tiny_model(named_tiny_specs()[TINY_QWEN3_5_MOE])  # text-only checkpoint
+    assert vllm_model_args(hybrid) == triton
+    Qwen3_5MoeConfig().save_pretrained(tmp_path)  # Qwen3.6-35B-A3B's config: vision + text
+    assert vllm_model_args(tmp_path) == {"language_model_only": True, **triton}
+    assert vllm_model_args(build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])) == {}

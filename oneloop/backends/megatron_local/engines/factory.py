@@ -3,6 +3,7 @@
 GPU engines are imported lazily, so a CPU install never imports megatron-core or vLLM.
 """
 
+import json
 from pathlib import Path
 
 from oneloop.backends.config import LocalBackendConfig, VllmSettings
@@ -128,8 +129,36 @@ def make_sampler_engine(
     v = local.vllm
     lora = lora_serving(lora_rank, v.max_loras, v.max_cpu_loras, local.max_snapshots)
     return VllmSamplerEngine(
-        model_path, dtype=dtype, lora=lora, max_snapshots=local.max_snapshots, **settings
+        model_path,
+        dtype=dtype,
+        lora=lora,
+        max_snapshots=local.max_snapshots,
+        extra_engine_args=vllm_model_args(model_path),
+        **settings,
     )
+
+
+def vllm_model_args(model_path: Path) -> dict:
+    """vLLM engine arguments the model at `model_path` needs (measured with vLLM 0.26 on the
+    device): a multimodal checkpoint (Qwen3.5 / 3.6) is served text-only (`language_model_only`:
+    we train and sample the language model), and Gated DeltaNet layers prefill with vLLM's Triton
+    kernel where FlashInfer is not installed (vLLM's `auto` picks FlashInfer's on SM90 and fails
+    without it)."""
+    import importlib.util
+
+    from oneloop.backends.model_check import model_config
+
+    config = model_config({}, str(model_path))
+    if config is None:
+        return {}
+    raw = json.loads((model_path / "config.json").read_text())
+    args: dict = {}
+    if "vision_config" in raw:
+        args["language_model_only"] = True
+    linear = "linear_attention" in (config.get("layer_types") or ())
+    if linear and importlib.util.find_spec("flashinfer") is None:
+        args["additional_config"] = {"gdn_prefill_backend": "triton"}
+    return args
 
 
 def vllm_routed_experts(settings: VllmSettings, model_path: Path) -> bool:
