@@ -20,6 +20,7 @@ import ray
 from oneloop.backends.config import LocalBackendConfig
 from oneloop.backends.megatron_local.futures import chain_with_recovery, gather
 from oneloop.backends.megatron_local.routing import SamplerPool
+from oneloop.backends.megatron_local.weight_sync.layout import fast_path_gap
 from oneloop.errors import CapabilityError, MissingWeightsError
 
 # Attempts (about one per second) to reach a restarting sampler before a request fails.
@@ -59,7 +60,9 @@ class WeightPublisher:
         """How `trainer` exports weights for `sampler` (`local.weight_sync`): `(None, None)` =
         numpy through the object store; `(layout ref, None)` = CUDA IPC in the sampler's parameter
         layout (same GPU); `(layout ref, group)` = NCCL over weight group `group`, opened here on
-        first use (another GPU). `auto` picks by comparing the two actors' GPU UUIDs."""
+        first use (another GPU). `auto` picks by comparing the two actors' GPU UUIDs, and takes
+        the object store for a model whose vLLM layout the CUDA paths do not map
+        (`layout.fast_path_gap`: Gated DeltaNet)."""
         local = self.local
         mode = local.weight_sync
         cuda_trainer = local.trainer_engine == "megatron" or local.device == "cuda"
@@ -78,8 +81,13 @@ class WeightPublisher:
             raise CapabilityError(f"local.weight_sync={mode} needs local.sampler_engine=vllm")
         if sampler not in self._layouts:
             self._layouts[sampler] = sampler.weight_layout.remote()
+        # The sampler answers once its engine is up (vLLM start: compile + CUDA graphs).
+        gap = fast_path_gap(ray.get(self._layouts[sampler], timeout=900))
+        if gap is not None:
+            if mode == "auto":  # vLLM's own loader, through the object store
+                return None, None
+            raise CapabilityError(f"local.weight_sync={mode}: {gap}; use auto or object_store")
         if mode == "auto":
-            # The sampler answers once its engine is up (vLLM start: compile + CUDA graphs).
             uuids = ray.get([trainer.gpu_uuid.remote(), sampler.gpu_uuid.remote()], timeout=900)
             mode = "cuda_ipc" if uuids[0] == uuids[1] else "nccl"
         if mode == "cuda_ipc":

@@ -1,4 +1,4 @@
-"""Hugging Face → vLLM parameter layout, flat packing, the IPC and NCCL wire forms (CPU, no vLLM)."""
+"""Hugging Face → vLLM parameter layout, flat packing, IPC and NCCL wire forms (CPU, no vLLM)."""
 
 import json
 
@@ -11,6 +11,7 @@ from oneloop.backends.megatron_local.weight_sync.ipc import CudaIpcWeights, make
 from oneloop.backends.megatron_local.weight_sync.layout import (
     ALIGN_BYTES,
     FlatEntry,
+    fast_path_gap,
     hf_to_vllm_layout,
     pack_flat,
     unpack_flat,
@@ -259,3 +260,13 @@ def test_gpu_weight_sync_needs_the_vllm_sampler() -> None:
         parse_backend_config({"local": {"weight_sync": "nccl", "sampler_engine": "torch"}})
     config = parse_backend_config({"local": {"weight_sync": "nccl", "sampler_engine": "vllm"}})
     assert config.local.weight_sync == "nccl"
+
+
+def test_fast_path_gap_names_the_gated_deltanet_parameters() -> None:
+    """Dense and Qwen3-MoE layouts map; a Gated DeltaNet layer (vLLM's Qwen3.5 / 3.6 names) does
+    not, and the reason names one of its parameters (auto sync then takes the object store)."""
+    assert fast_path_gap(vllm_layout(tied=True)) is None
+    assert fast_path_gap(vllm_moe_layout()) is None
+    gdn = ("model.layers.0.linear_attn.in_proj_qkvz.weight", "bfloat16", (8, 64))
+    gap = fast_path_gap([*vllm_moe_layout(), gdn])
+    assert gap is not None and gdn[0] in gap
