@@ -74,3 +74,13 @@ def test_transformers_switch_keeps_loss_and_gradients(monkeypatch):
     after, grads_after = loss_and_grads()
     assert torch.equal(before, after)
     assert all(torch.equal(a, b) for a, b in zip(grads_before, grads_after, strict=True))
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_switch_runs_only_where_fla_refuses(monkeypatch, refused):
+    pytest.importorskip("triton")
+    _fla_flags(monkeypatch, True, True, not refused)
+    monkeypatch.setattr(gdn_kernels.importlib.util, "find_spec", lambda name: None)
+    calls = []
+    chosen = gdn_kernels.torch_rule_where_refused(lambda: calls.append(1), "torch")
+    assert (chosen, calls) == (("torch", [1]) if refused else (None, []))

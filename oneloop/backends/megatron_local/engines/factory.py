@@ -3,7 +3,6 @@
 GPU engines are imported lazily, so a CPU install never imports megatron-core or vLLM.
 """
 
-import json
 from pathlib import Path
 
 from oneloop.backends.config import LocalBackendConfig, VllmSettings
@@ -148,12 +147,11 @@ def vllm_model_args(model_path: Path) -> dict:
 
     from oneloop.backends.model_check import model_config
 
-    config = model_config({}, str(model_path))
+    config = model_config({}, str(model_path))  # top-level fields and the text model's
     if config is None:
         return {}
-    raw = json.loads((model_path / "config.json").read_text())
     args: dict = {}
-    if "vision_config" in raw:
+    if "vision_config" in config:
         args["language_model_only"] = True
     linear = "linear_attention" in (config.get("layer_types") or ())
     if linear and importlib.util.find_spec("flashinfer") is None:

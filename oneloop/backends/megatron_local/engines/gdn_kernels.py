@@ -10,6 +10,7 @@ own, the path the CPU tests run): the same formula, slower. Forward-only sampler
 
 import importlib.util
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,17 @@ def fla_backward_refusal() -> str | None:
         f"flash-linear-attention refuses its gated delta rule backward on Hopper GPUs with "
         f"Triton {triton.__version__} (>= 3.4, < 3.7.1: fla issue #640) without tilelang"
     )
+
+
+def torch_rule_where_refused(switch: Callable[[], object], engine: str) -> str | None:
+    """Run `switch` (one of the `use_torch_delta_rule_in_*` below) and warn when fla refuses
+    its backward here; returns "torch" then, else None (fla's kernels stay)."""
+    reason = fla_backward_refusal()
+    if reason is None:
+        return None
+    switch()
+    log.warning("%s: the %s trainer uses the torch chunked delta rule", reason, engine)
+    return "torch"
 
 
 def use_torch_delta_rule_in_transformers() -> list[str]:

@@ -122,12 +122,9 @@ def training_kernel(model) -> str | None:
     torch chunked delta rule; returns "torch" then, else None (fla's kernels)."""
     from oneloop.backends.megatron_local.engines import gdn_kernels
 
-    reason = gdn_kernels.fla_backward_refusal()
-    if reason is None:
-        return None
-    layers = gdn_kernels.use_torch_delta_rule_in_megatron(model)
-    gdn_kernels.log.warning("%s: %d megatron GDN layers use the torch delta rule", reason, layers)
-    return "torch"
+    return gdn_kernels.torch_rule_where_refused(
+        lambda: gdn_kernels.use_torch_delta_rule_in_megatron(model), "megatron"
+    )
 
 
 def block_spec(shape: HybridShape, core_attention, grouped_experts: bool):

@@ -95,7 +95,13 @@ class TorchTrainerEngine(TrainerEngine):
             )
             model = get_peft_model(model, config)
         self.model = model.to(self.device)
-        self.gdn_kernel = gdn_training_kernel(self.model, self.device)
+        text = self.model.config.get_text_config()
+        if self.device.type == "cuda" and "linear_attention" in (
+            getattr(text, "layer_types", None) or ()
+        ):
+            gdn_kernels.torch_rule_where_refused(
+                gdn_kernels.use_torch_delta_rule_in_transformers, "torch"
+            )
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.AdamW | None = None
@@ -271,16 +277,3 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.float()
     return tensor.cpu().numpy().copy()
-
-
-def gdn_training_kernel(model: torch.nn.Module, device: torch.device) -> str | None:
-    """Gated DeltaNet models on a GPU where flash-linear-attention refuses its backward: switch
-    to transformers' torch delta rule (`gdn_kernels`); returns "torch" then, else None."""
-    text = model.config.get_text_config()
-    linear = "linear_attention" in (getattr(text, "layer_types", None) or ())
-    reason = gdn_kernels.fla_backward_refusal() if linear and device.type == "cuda" else None
-    if reason is None:
-        return None
-    gdn_kernels.use_torch_delta_rule_in_transformers()
-    gdn_kernels.log.warning("%s: the torch trainer uses the torch chunked delta rule", reason)
-    return "torch"
