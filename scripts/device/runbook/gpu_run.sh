@@ -27,7 +27,8 @@
 #   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
 #                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL);
 #                                    dense 0.6B and (after setup_moe) the 32-expert 30B-A3B width
-#                                    with R3; E2E_K selects cases
+#                                    with R3, vLLM eager (moe) or CUDA graphs (moe_cudagraphs);
+#                                    E2E_K selects cases; $OUT/triton_cache.txt: kernels compiled
 #   vllm_moe                         after setup_moe: gpu_vllm.py on that MoE, routed experts on,
 #                                    vs raw vLLM with and without them
 #   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
@@ -139,10 +140,15 @@ case "$stage" in
   vllm)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
-  e2e)   # E2E_K="moe and colocated" picks cases (-k); the MoE cases need setup_moe
+  e2e)   # E2E_K="moe and colocated and not cudagraphs" picks cases (-k); MoE cases need setup_moe.
+    # A fresh Triton cache per call, listed after (mtime, kernel): which kernels vLLM / megatron
+    # JIT-compiled when, to line up with the sync records' wall-clock starts.
+    export TRITON_CACHE_DIR="/tmp/triton-e2e-$(date +%s)"
     python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l-32e --out /tmp/models/qwen3-30b-a3b-4l-32e
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b ONELOOP_GPU_MOE_E2E_DIR=/tmp/models/qwen3-30b-a3b-4l-32e \
       pytest_gpu tests/gpu/test_local_gpu_backend.py -k "${E2E_K:-dense or moe}" > "$OUT/e2e.log" 2>&1
+    find "$TRITON_CACHE_DIR" -name '*.json' ! -name '__grp__*' -printf '%T@ %P\n' 2>/dev/null \
+      | sort -n > "$OUT/triton_cache.txt"
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/e2e.log" | tail -20; tail -30 "$OUT/e2e.log" ;;
   vllm_moe)   # after setup_moe: our engine vs raw vLLM decode on the 32-expert 30B-A3B width,
     # routed experts (R3) returned, and raw vLLM without them (the record's cost)

@@ -17,7 +17,8 @@
   clear_cache=False)` → load → `resume_generation()`; requests in flight keep their KV and go on
   with the new weights. Another key → `mode="wait"`: requests of the old key finish on the old
   weights first. New requests carry `cache_salt=f"{key}@v{version}"` so they never reuse prefix
-  KV computed with other weights. Phase timings of every sync land in `sync_history`.
+  KV computed with other weights. Phase timings of every sync land in `sync_history`, with the
+  number of requests in flight when the pause began.
 - LoRA runs (`lora` given): the engine starts with LoRA enabled and each weight key holds a
   vLLM LoRA module (`base.AdapterDir` payloads; `vllm.lora.AdapterTable` keeps the books):
   the base weights never change, every snapshot keeps its own adapter, and replacing a key's
@@ -90,6 +91,11 @@ class SyncRecord:
     window_ms: float  # pause call start → resume returned: what in-flight requests feel
     transfer_ms: float | None = None  # NCCL only: GPU time of the receive itself (within load)
     workers: int = 1  # engine workers (tensor-parallel ranks) that loaded their shard
+    # Requests in vLLM (added, not finished) when the pause began: a keep-mode pause returns once
+    # the engine step under way has ended (vLLM 0.26 `pause_scheduler`), so with requests in
+    # flight pause_ms includes the rest of that step.
+    in_flight: int = 0
+    started_at: float = 0.0  # wall clock (time.time()) at the pause call: lines up with logs
 
 
 class VllmSamplerEngine(SamplerEngine):
@@ -146,6 +152,7 @@ class VllmSamplerEngine(SamplerEngine):
         self._live: tuple[str | None, int] = (BASE_KEY, 0)  # (key, version); replaced atomically
         self._layout: list[tuple[str, str, tuple[int, ...]]] | None = None
         self._closed = False
+        self._running = 0  # requests added to vLLM and not finished (touched on the loop only)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
@@ -293,6 +300,7 @@ class VllmSamplerEngine(SamplerEngine):
                 await self._pending_submissions_done()
                 same = self._live[0] == key
                 mode = "keep" if same else "wait"
+                in_flight, started_at = self._running, time.time()
                 t0 = t1 = time.perf_counter()
                 try:  # resume even when the pause, the load or our caller's wait fails
                     await self._engine.pause_generation(mode=mode, clear_cache=False)
@@ -324,6 +332,8 @@ class VllmSamplerEngine(SamplerEngine):
                         window_ms=1e3 * (t3 - t0),
                         transfer_ms=loaded.get("transfer_ms") if isinstance(loaded, dict) else None,
                         workers=len(answers),
+                        in_flight=in_flight,
+                        started_at=started_at,
                     )
                 )
             finally:
@@ -500,6 +510,7 @@ class VllmSamplerEngine(SamplerEngine):
                 raise RequestError(f"vllm rejected the request: {e}") from e
             finally:
                 self._submitting -= 1
+            self._running += 1
             try:
                 while True:
                     out = queue.get_nowait() or await queue.get()
@@ -509,6 +520,7 @@ class VllmSamplerEngine(SamplerEngine):
                 await self._engine.abort(queue.request_id, internal=True)
                 raise
             finally:
+                self._running -= 1
                 queue.close()
         finally:
             if self._adapters is not None:
