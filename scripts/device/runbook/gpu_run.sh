@@ -27,8 +27,8 @@
 #   e2e                              the whole local backend on Ray (megatron + vllm): colocated on
 #                                    one GPU (CUDA IPC) and, on nvidia-h200-x2, on two GPUs (NCCL);
 #                                    dense 0.6B and (after setup_moe) the 32-expert 30B-A3B width
-#                                    with R3, vLLM eager (moe) or CUDA graphs (moe_cudagraphs);
-#                                    E2E_K selects cases; $OUT/triton_cache.txt: kernels compiled
+#                                    with R3; E2E_K selects cases; $OUT/triton_cache.txt lists
+#                                    the Triton kernels compiled (file time, name)
 #   vllm_moe                         after setup_moe: gpu_vllm.py on that MoE, routed experts on,
 #                                    vs raw vLLM with and without them
 #   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
@@ -140,7 +140,7 @@ case "$stage" in
   vllm)
     ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b pytest_gpu tests/gpu/test_vllm_engine.py 2>&1 | tail -40
     python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-0.6b 2>&1 | grep -E "RESULT|Error|error" | tail -20 ;;
-  e2e)   # E2E_K="moe and colocated and not cudagraphs" picks cases (-k); MoE cases need setup_moe.
+  e2e)   # E2E_K="moe and colocated" picks cases (-k); the MoE cases need setup_moe.
     # A fresh Triton cache per call, listed after (mtime, kernel): which kernels vLLM / megatron
     # JIT-compiled when, to line up with the sync records' wall-clock starts.
     export TRITON_CACHE_DIR="/tmp/triton-e2e-$(date +%s)"
