@@ -321,10 +321,11 @@ def test_sft_then_rl_through_ray_with_megatron_and_vllm(tmp_path_factory, placem
     figures["restored_loss_after_step"] = losses
     record(name, figures)
     assert figures["resaved_state_differs"] == [], figures["resaved_state_differs"]
-    # Dense: bitwise the same forward. MoE: not repeatable bitwise (module docstring); measured on
-    # the H200, restored vs original 1.5e-7, 2.0e-6, 4.0e-6 relative, after one more step each
-    # 2.1e-6, 2.0e-5, 5.2e-5 (three runs): tolerances 5x / 4x the largest.
-    same, after_step = (2e-5, 2e-4) if moe else (0.0, 1e-6)
+    # Dense: bitwise the same forward. MoE: not repeatable bitwise (module docstring). Measured on
+    # the H200 (four runs): restored vs original 1.5e-7 to 4.0e-6 relative, after one more step
+    # each 2.1e-6 to 5.2e-5; three forwards of one trainer on the same probe spread 2.3e-5. With
+    # the state checked exactly above, 2e-4 (about 4x the largest) for both.
+    same, after_step = (2e-4, 2e-4) if moe else (0.0, 1e-6)
     assert figures["restored_loss"][0] == pytest.approx(figures["restored_loss"][1], rel=same)
     assert losses[0] == pytest.approx(losses[1], rel=after_step)  # and the same optimizer state
     assert figures["gap_after_sft"]["mean"] <= GAP_TOLERANCE
