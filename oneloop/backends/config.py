@@ -113,7 +113,7 @@ class VllmSettings(_Strict):
     enforce_eager: bool = False
     """Skip CUDA graphs and compilation (faster start, slower decode). Eager, vLLM JIT-compiles a
     Triton kernel whenever a batch reaches a new shape (0.3-0.7 s each on the H200, MoE), and an
-    in-flight weight sync's pause waits for that step: 0.9-1.6 s pauses measured vs 25-27 ms."""
+    in-flight weight sync's pause waits for that step: 0.9-1.6 s pauses measured vs 25-28 ms."""
     attention_backend: str | None = "TRITON_ATTN"
     """vLLM attention backend name; None = vLLM's choice (needs the flash-attention kernels)."""
     return_routed_experts: bool | None = None

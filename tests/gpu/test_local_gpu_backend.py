@@ -21,7 +21,7 @@ vLLM runs its default torch.compile + CUDA graphs on both. Eager, the MoE's in-f
 0.9-1.6 s (H200, 2026-12-03): a keep-mode pause waits for the engine step under way, and eager
 steps JIT-compiled Triton kernels (fused_moe_kernel, kernel_unified_attention, reduce_segments;
 0.3-0.7 s each) whenever the batch reached a new shape; with CUDA graphs the same syncs paused
-25-27 ms. Two in-flight syncs run back to back while the same 16 requests decode, the first 1 s
+25-28 ms. Two in-flight syncs run back to back while the same 16 requests decode, the first 1 s
 after they arrived; each sync record carries its pause / load / resume times, the requests in
 flight and its wall-clock start (`gpu_run.sh e2e` lists the Triton kernels compiled, with times).
 
