@@ -173,9 +173,12 @@ def test_hybrid_transformer_fields_and_refusals() -> None:
     assert transformer_fields(None, MoeSettings(), 1, cpu=True) == {}
     sizes = dict(tp=1, pp=1, cp=1, ep=1, dp=1, lora_rank=0)
     check_engine_layout(dense, **sizes)
-    for field, value in (("tp", 2), ("pp", 2), ("cp", 2), ("lora_rank", 8)):
+    for field, value in (("tp", 2), ("cp", 2), ("lora_rank", 8)):
         with pytest.raises(CapabilityError, match=rf"{field}={value} with the hybrid model"):
             check_engine_layout(dense, **{**sizes, field: value})
+    check_engine_layout(moe, **{**sizes, "pp": 2, "dp": 4, "ep": 4})  # stages × replicas × EP
+    with pytest.raises(CapabilityError, match="ep=4 with the MoE model.*dp=2 is not a multiple"):
+        check_engine_layout(moe, **{**sizes, "pp": 2, "dp": 2, "ep": 4})
     with pytest.raises(ValueError, match="ep=2: must divide the model's 0 experts"):
         check_engine_layout(dense, **{**sizes, "ep": 2, "dp": 2})
     with pytest.raises(CapabilityError, match="fused_rope=true"):

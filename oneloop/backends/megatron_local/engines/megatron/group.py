@@ -215,12 +215,6 @@ class MegatronRayGroup(TrainerEngine):
                 f"LoRA rank {lora.rank} with local.megatron pp={parallel.pp} cp={parallel.cp}: the "
                 "megatron engine's LoRA adapters are tensor-parallel only; use pp=1, cp=1 for LoRA"
             )
-        if parallel.dp > 1 and parallel.pp > 1:
-            raise CapabilityError(
-                f"local.megatron.dp={parallel.dp} with pp={parallel.pp}: data parallelism runs "
-                "with tp and cp here (the pipeline schedule's export and results assume one "
-                "replica); use pp=1 with dp > 1"
-            )
         shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
         check_tp(shape, parallel.tp)
         check_pp(shape.layers, parallel.pp)

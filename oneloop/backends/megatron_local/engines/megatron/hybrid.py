@@ -32,8 +32,9 @@ Checkpoints: a multimodal Qwen3.5 / 3.6 checkpoint stores its decoder under
 training; experts stored fused are split per expert) and `checkpoint_weights` writes the trained
 weights back under the same names (experts per expert, as transformers saves them).
 
-Limits, refused naming the field (`moe.check_engine_layout`): tp = pp = cp = 1 (the GDN tensors
-shard by section under TP, which `parallel.shard` does not map yet), no LoRA, no TE spec.
+Pipeline stages (`parallel.pp`): each stage builds its slice of the layer pattern (`block_spec`).
+Limits, refused naming the field (`moe.check_engine_layout`): tp = cp = 1 (the GDN tensors shard
+by section under TP, which `parallel.shard` does not map yet), no LoRA, no TE spec.
 """
 
 from typing import Any
@@ -127,8 +128,10 @@ def training_kernel(model) -> str | None:
     )
 
 
-def block_spec(shape: HybridShape, core_attention, grouped_experts: bool):
-    """megatron-core `TransformerBlockSubmodules`: one local layer spec per `layer_types` entry."""
+def block_spec(shape: HybridShape, core_attention, grouped_experts: bool, layers: range | None):
+    """megatron-core `TransformerBlockSubmodules`: one local layer spec per `layer_types` entry
+    of `layers` (a pipeline stage's; None: every layer). megatron-core builds a block spec's
+    layers as given and numbers them from the stage's offset, so the stage's slice is made here."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -179,7 +182,7 @@ def block_spec(shape: HybridShape, core_attention, grouped_experts: bool):
                 mlp_bda=get_bias_dropout_add,
             ),
         )
-        for kind in shape.layer_types
+        for kind in shape.layer_types[slice(layers.start, layers.stop) if layers else slice(None)]
     ]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
 

@@ -20,9 +20,9 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   distributed optimizer shards its state over them; PP > 1: `parallel.pp.MegatronPpRank` is
   each rank (one pipeline stage, Megatron's schedule); CP > 1: `parallel.cp_rank.MegatronCpRank`
   is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
-  EP > 1 (MoE, tp = pp = cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split
-  over the data-parallel ranks, tokens dispatched all-to-all; replicas with fewer micro-batches run
-  idle ones (one token, no loss), since each dispatch is a collective of the EP group. R3:
+  EP > 1 (MoE, tp = cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split over
+  the data-parallel ranks (of each stage), tokens dispatched all-to-all; replicas with fewer
+  micro-batches run idle ones (one token, no loss): each dispatch is an EP-group collective. R3:
   `megatron.routing` replays a datum's recorded experts.
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
@@ -61,7 +61,9 @@ from oneloop.backends.megatron_local.engines.megatron import speed as megatron_s
 from oneloop.backends.megatron_local.engines.megatron.checkpoint import check_resumable
 from oneloop.backends.megatron_local.engines.megatron.data_parallel import (
     dp_shares,
-    merge_shares,
+    gather_shares,
+    microbatch_counts,
+    validate_everywhere,
 )
 from oneloop.backends.megatron_local.engines.megatron.layout import (
     MOE_ATTENTION_TYPES,
@@ -70,11 +72,7 @@ from oneloop.backends.megatron_local.engines.megatron.layout import (
     megatron_param_names,
     megatron_to_hf,
 )
-from oneloop.backends.megatron_local.engines.microbatch import (
-    pack_microbatches,
-    padded_arrays,
-    run_microbatches,
-)
+from oneloop.backends.megatron_local.engines.microbatch import padded_arrays, run_microbatches
 from oneloop.backends.megatron_local.engines.torch.routing import replay_metrics
 from oneloop.backends.megatron_local.ports import free_port
 from oneloop.errors import CapabilityError
@@ -166,6 +164,7 @@ class MegatronTrainerEngine(TrainerEngine):
     """See the module docstring."""
 
     global_rank = 0  # rank in the trainer's group (the group rank classes set theirs)
+    layers: range | None = None  # the decoder layers this rank builds (PP: its stage's), None: all
 
     def __init__(
         self,
@@ -270,7 +269,8 @@ class MegatronTrainerEngine(TrainerEngine):
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm)
         elif self.shape.hybrid:
             hybrid.check_speed(self.speed.fused_rope)
-            spec = hybrid.block_spec(self.moe, self._core_attention(), self.speed.grouped_experts)
+            attention, grouped = self._core_attention(), self.speed.grouped_experts
+            spec = hybrid.block_spec(self.moe, attention, grouped, layers=self.layers)
         else:
             spec = specs.get_gpt_layer_local_spec(
                 num_experts=self.moe.experts if self.moe else None,
@@ -328,10 +328,20 @@ class MegatronTrainerEngine(TrainerEngine):
 
     def _to_hf(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's Megatron-layout weights → full HF weights (MoE at EP > 1: a collective)."""
+        return self._full_to_hf(self._with_all_experts(params))
+
+    def _with_all_experts(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """MoE: per-expert names and every expert (EP > 1: all-gathered, a collective)."""
         if self.moe is None:
-            return megatron_to_hf(self.shape, params)
-        params = grouped_experts.unstack(params)  # per-expert names either way
-        hf = megatron_moe.to_hf_gathered(self.moe, params, self.parallel.ep)
+            return params
+        unstacked = grouped_experts.unstack(params)  # per-expert names either way
+        return megatron_moe.gather_experts(self.moe, unstacked, self.parallel.ep)
+
+    def _full_to_hf(self, mega: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Megatron-layout weights of every layer and expert → the checkpoint's HF names."""
+        if self.moe is None:
+            return megatron_to_hf(self.shape, mega)
+        hf = megatron_moe.megatron_to_hf(self.moe, mega)
         return hybrid.checkpoint_weights(hf, self.composite)
 
     def _import_hf(self, hf: dict[str, torch.Tensor]) -> None:
@@ -415,11 +425,7 @@ class MegatronTrainerEngine(TrainerEngine):
                 self.max_tokens_per_microbatch,
                 lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
             )
-        # DP: every datum checked on every rank first (a lone failing replica would leave the
-        # others waiting in the gather below), then this replica's share, then the whole call's.
-        for index, datum in enumerate(data):
-            inputs = {"target_tokens": datum.targets, **datum.inputs}
-            losses.validate_datum_inputs(loss_fn, len(datum.tokens), inputs, index)
+        validate_everywhere(loss_fn, data)  # DP: this replica's share, then the whole call's
         from megatron.core import parallel_state
 
         shares = dp_shares([len(d.tokens) for d in data], self.parallel.dp)
@@ -430,16 +436,11 @@ class MegatronTrainerEngine(TrainerEngine):
             lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
         )
         if self.parallel.ep > 1:  # each micro-batch's token dispatch is an EP-group collective
-            lengths = [[len(data[i].tokens) for i in share] for share in shares]
-            counts = [len(pack_microbatches(n, self.max_tokens_per_microbatch)) for n in lengths]
+            counts = microbatch_counts(data, shares, self.max_tokens_per_microbatch)
             passes = 1 + megatron_routing.free_pass(data)  # R3's extra forward: a dispatch too
             for _ in range(max(counts) - counts[parallel_state.get_data_parallel_rank()]):
                 self._idle_microbatch(forward_only, passes)
-        every: list = [None] * self.parallel.dp
-        torch.distributed.all_gather_object(
-            every, mine, group=parallel_state.get_data_parallel_group()
-        )
-        return merge_shares(every, shares, len(data))
+        return gather_shares(mine, shares, len(data))
 
     def _batch_tensors(self, data: list[DatumArrays]) -> tuple[torch.Tensor, ...]:
         """tokens, targets, mask [rows, T] (right-padded), loss inputs {key: [rows, T]} and
