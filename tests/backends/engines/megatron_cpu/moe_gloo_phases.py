@@ -15,7 +15,7 @@ The tiny random Qwen3-MoE (`oneloop/tiny-qwen3-moe`, fp32), the same datums and 
   layer's experts; tokens dispatched all-to-all on gloo) on a local Ray runtime, with a token
   budget small enough that the two replicas get different micro-batch counts (the idle
   micro-batches keep the dispatch collectives paired), a checkpoint with the optimizer after
-  step 1;
+  step 1; `pp2`: the same as a group of two pipeline stages (one MoE layer each);
 - `ref` loading the ep = 2 checkpoint: the weights load (experts gathered back into HF form),
   the optimizer state is refused (saved at another layout) before anything loads.
 Loss, logprobs, grad norm and weights after each of two optim_steps go to DIR/figures.json;
@@ -97,6 +97,11 @@ def _run(work: Path) -> None:
     # the next steps start clean
     _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
     ep2.close()
+    pp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(pp=2),
+                           timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0,
+                           **mega)  # fmt: skip
+    _train(pp2, out, "pp2")  # one MoE layer per stage, the tied output layer on the last
+    pp2.close()
     figures: dict = {"microbatch_counts_dp2": cm.microbatch_counts(LENGTHS, 2, BUDGET)}
     try:
         ref.load_state(work / "ckpt_ep2_step1", with_optimizer=True)
@@ -110,7 +115,7 @@ def _run(work: Path) -> None:
     figures["grouped_experts"] = sorted(
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
-    figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential"), steps=2))
+    figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential", "pp2"), steps=2))
     figures.update(cm.r3_gaps(out, ("ref", "ep2")))
     figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])

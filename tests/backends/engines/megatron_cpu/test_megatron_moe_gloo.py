@@ -2,13 +2,13 @@
 
 moe_gloo_phases.py runs two phases, each in its own process: the torch trainer engine (no CUDA
 shims), then the megatron engine at ep = 1 in-process (grouped-GEMM experts, and megatron-core's
-SequentialMLP experts alike) and at dp = 2 × ep = 2 as Ray rank actors
-(each rank holding half of every layer's experts, tokens dispatched all-to-all, replicas with
-unequal micro-batch counts). Over two optim_steps: megatron equals the torch engine (loss, grad
-norm, logprobs, weights) and ep = 2 equals ep = 1; the ep = 2 checkpoint's weights (experts
-gathered back to HF form) load at ep = 1 and its optimizer state is refused there, naming the
-layouts. Routing replay (R3): a call whose datums carry recorded experts computes with them on the
-megatron engine as on the torch engine, at ep = 1 and ep = 2.
+SequentialMLP experts alike), at dp = 2 × ep = 2 as Ray rank actors (each rank holding half of
+every layer's experts, tokens dispatched all-to-all, replicas with unequal micro-batch counts),
+and at pp = 2 (two pipeline stages). Over two optim_steps: megatron equals the torch engine (loss,
+grad norm, logprobs, weights), and ep = 2 and pp = 2 equal ep = 1; the ep = 2 checkpoint's
+weights (experts gathered back to HF form) load at ep = 1 and its optimizer state is refused
+there, naming the layouts. Routing replay (R3): a call whose datums carry recorded experts
+computes with them on the megatron engine as on the torch engine, at ep = 1 and ep = 2.
 """
 
 import json
@@ -30,7 +30,8 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
     assert figures["ref_weights_moved"] > 1e-4, figures
     assert figures["expert_tensors"] == 4, figures  # 2 layers × (gate_up, down) in module layout
     assert figures["grouped_experts"] == ["GroupedExperts"], figures  # the default speed switch
-    for tag in ("torch", "ep2", "sequential"):  # sequential: megatron-core's SequentialMLP
+    # sequential: megatron-core's SequentialMLP; pp2: two pipeline stages
+    for tag in ("torch", "ep2", "sequential", "pp2"):
         for step in range(2):
             assert figures[f"{tag}_loss{step}_rel_gap"] < 1e-6, (tag, step, figures)
             assert figures[f"{tag}_grad_norm{step}_rel_gap"] < 1e-5, (tag, step, figures)
