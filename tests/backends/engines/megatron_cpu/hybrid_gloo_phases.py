@@ -116,8 +116,9 @@ def _run(work: Path) -> None:
             ep2.close()
             # the 397B layout's shape: pipeline stages (each its slice of the layer pattern) ×
             # data-parallel replicas, the experts split over the replicas of each stage
-            staged = MegatronRayGroup(model, LoraSpec(0),
-                                      parallel=MegatronParallel(pp=2, dp=2, ep=2), **group, **mega)  # fmt: skip
+            staged = MegatronRayGroup(
+                model, LoraSpec(0), parallel=MegatronParallel(pp=2, dp=2, ep=2), **group, **mega
+            )
             _train(staged, out, "pp2ep2", save=work / "ckpt_pp2ep2_step1")
             staged.close()
             tags += ["ep2", "pp2ep2"]

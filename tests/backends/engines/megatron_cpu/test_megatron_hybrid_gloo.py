@@ -4,7 +4,8 @@ the torch engine (transformers' modules, in a process without the CUDA shims) an
 engine (megatron-core's GatedDeltaNet, gated attention and MoE layers, `megatron.hybrid`); the MoE
 one also as dp = 2 × ep = 2 and as pp = 2 × dp = 2 × ep = 2 Ray rank actors. Over two optim_steps
 the engines agree (loss, grad norm, logprobs, weights), both groups equal ep = 1 (replicas with
-unequal micro-batch counts), and their checkpoints load at ep = 1; routing replay (R3) on the hybrid MoE equals the torch engine's.
+unequal micro-batch counts), and their checkpoints load at ep = 1; routing replay (R3) on the
+hybrid MoE equals the torch engine's.
 """
 
 import json
