@@ -119,10 +119,12 @@ def _run(work: Path) -> None:
             staged = MegatronRayGroup(
                 model, LoraSpec(0), parallel=MegatronParallel(pp=2, dp=2, ep=2), **group, **mega
             )
+            cm.replay_call(staged, model, out, "pp2ep2", LENGTHS[0], ADAMS[0], backward=False)
             _train(staged, out, "pp2ep2", save=work / "ckpt_pp2ep2_step1")
             staged.close()
             tags += ["ep2", "pp2ep2"]
-            figures.update({f"{name}/{k}": v for k, v in cm.r3_gaps(out, ("ref", "ep2")).items()})
+            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2"))
+            figures.update({f"{name}/{k}": v for k, v in r3.items()})
             figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
             for tag in ("ep2", "pp2ep2"):  # the groups' checkpoints load in one process
                 ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)

@@ -100,6 +100,7 @@ def _run(work: Path) -> None:
     pp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(pp=2),
                            timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0,
                            **mega)  # fmt: skip
+    cm.replay_call(pp2, model, out, "pp2", LENGTHS[0], ADAMS[0], backward=False)  # R3 by stage
     _train(pp2, out, "pp2")  # one MoE layer per stage, the tied output layer on the last
     pp2.close()
     figures: dict = {"microbatch_counts_dp2": cm.microbatch_counts(LENGTHS, 2, BUDGET)}
@@ -116,7 +117,7 @@ def _run(work: Path) -> None:
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
     figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential", "pp2"), steps=2))
-    figures.update(cm.r3_gaps(out, ("ref", "ep2")))
+    figures.update(cm.r3_gaps(out, ("ref", "ep2", "pp2")))
     figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
     (work / "figures.json").write_text(json.dumps(figures, indent=1))

@@ -45,7 +45,7 @@ def test_megatron_hybrids_match_the_torch_engine(tmp_path) -> None:
     counts = figures["qwen3.5-moe/microbatch_counts_dp2"]
     assert any(len(set(step)) > 1 for step in counts), counts  # the idle micro-batch path ran
     # Routing replay (R3) through the hybrid's MoE layers, as in test_megatron_moe_gloo
-    for tag in ("ref", "ep2"):
+    for tag in ("ref", "ep2", "pp2ep2"):
         key = f"qwen3.5-moe/{tag}_r3_"
         assert figures[f"{key}logprob_gap"] < 2e-5, (tag, figures)
         assert figures[f"{key}loss_rel_gap"] < 1e-6, (tag, figures)

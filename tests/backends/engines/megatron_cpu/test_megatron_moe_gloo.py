@@ -8,7 +8,7 @@ and at pp = 2 (two pipeline stages). Over two optim_steps: megatron equals the t
 grad norm, logprobs, weights), and ep = 2 and pp = 2 equal ep = 1; the ep = 2 checkpoint's
 weights (experts gathered back to HF form) load at ep = 1 and its optimizer state is refused
 there, naming the layouts. Routing replay (R3): a call whose datums carry recorded experts
-computes with them on the megatron engine as on the torch engine, at ep = 1 and ep = 2.
+computes with them on the megatron engine as on the torch engine, at ep = 1, ep = 2 and pp = 2.
 """
 
 import json
@@ -44,7 +44,7 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
     # backward; ep = 2, forward only, replicas with unequal micro-batch counts) as on the torch
     # engine: logprobs, loss, grad norm and the routing metrics (positions replayed, positions
     # whose own experts differ, the gap to the sampler's logprobs with and without replay).
-    for tag in ("ref", "ep2"):
+    for tag in ("ref", "ep2", "pp2"):  # pp2: each stage replays its own layers' records
         assert figures[f"{tag}_r3_logprob_gap"] < 2e-5, (tag, figures)
         assert figures[f"{tag}_r3_loss_rel_gap"] < 1e-6, (tag, figures)
         positions, torch_positions = figures[f"{tag}_r3_positions"]

@@ -33,13 +33,14 @@ Every rank runs the same calls in the same order; what differs from the one-proc
 LoRA is refused (its adapters are not pipeline-parallel).
 """
 
+import contextlib
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from oneloop.backends.megatron_local import losses
 from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult, LoraSpec
+from oneloop.backends.megatron_local.engines.megatron import routing as megatron_routing
 from oneloop.backends.megatron_local.engines.megatron import speed as megatron_speed
 from oneloop.backends.megatron_local.engines.megatron.data_parallel import (
     dp_shares,
@@ -70,7 +71,10 @@ from oneloop.backends.megatron_local.engines.microbatch import (
     pack_microbatches,
     run_microbatches,
 )
+from oneloop.backends.megatron_local.engines.torch.routing import routing_counts, sampler_gaps
 from oneloop.errors import CapabilityError
+
+FREE_GAP = "routing/gap_free:sum"
 
 
 class MegatronPpRank(MegatronTrainerEngine):
@@ -152,8 +156,6 @@ class MegatronPpRank(MegatronTrainerEngine):
         loss_fn_config: dict[str, float] | None,
         forward_only: bool,
     ) -> ForwardResult:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         config = losses.validate_loss_config(loss_fn, loss_fn_config)
         # On every rank before any p2p: an input error raised by the last stage alone (in the loss)
         # would leave the other stages waiting in the schedule.
@@ -164,40 +166,79 @@ class MegatronPpRank(MegatronTrainerEngine):
         budget, dp = self.max_tokens_per_microbatch, self.parallel.dp
         shares = dp_shares([len(d.tokens) for d in data], dp)
         mine = [data[i] for i in shares[self.coords.dp_rank]]
-        groups = pack_microbatches([len(d.tokens) for d in mine], budget)
+        groups = [[mine[i] for i in g] for g in pack_microbatches([len(d.tokens) for d in mine],
+                                                                  budget)]  # fmt: skip
         # DP: every replica runs the busiest one's micro-batch count, the extra ones idle (one
         # token, no loss): EP dispatches pair up across the replicas of a stage, and a replica
         # with no datums still takes its part in the gradient reductions.
         total = max(microbatch_counts(data, shares, budget)) if dp > 1 else len(groups)
-        batches = iter([[mine[i] for i in g] for g in groups] + [None] * (total - len(groups)))
-        done: list[tuple[losses.LossResult, np.ndarray]] = []  # last stage, per micro-batch
+        # R3: every micro-batch's replay of this stage's MoE layers, built (and its records
+        # checked) on every rank before the schedule starts
+        free = megatron_routing.free_pass(data)
+        replays = [
+            megatron_routing.replay(self.module, g, max(len(d.tokens) for d in g), self.layers)
+            for g in groups
+        ]
+        counts: dict[str, float] = {}  # this stage's routing figures, summed over micro-batches
+        done = self._schedule(groups, replays, total, loss_fn, config, forward_only, counts)
+        result = None
+        if self.last:
+            results = iter(done)
+            result = run_microbatches(mine, budget, lambda _: next(results))
+        if any(r is not None for r in replays) or free:
+            result = self._routing_figures(result, groups, total, done, counts, free)
+        box = [result]
+        _, pp_group = self._groups()
+        last = torch.distributed.get_global_rank(pp_group, self.pp - 1)
+        torch.distributed.broadcast_object_list(box, src=last, group=pp_group)
+        return gather_shares(box[0], shares, len(data)) if dp > 1 else box[0]
+
+    def _schedule(self, groups, replays, total, loss_fn, config, forward_only, counts) -> list:
+        """One run of megatron-core's pipeline schedule over `groups` (then idle micro-batches up
+        to `total`); the last stage's (LossResult, target logprobs) per micro-batch. `loss_fn`
+        None: forward only, the target logprobs alone (R3's free pass)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = iter(list(zip(groups, replays, strict=True)) + [None] * (total - len(groups)))
+        done: list = []  # last stage, per micro-batch
         fused = self.last and megatron_speed.fused_logprobs_applies(
             self.speed, self.module, self.tp
         )
 
         def step(iterator, model):
-            batch = next(iterator)
-            if batch is None:
+            item = next(iterator)
+            if item is None:
                 one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
                 output = model(input_ids=one, position_ids=one, attention_mask=None)
                 none = torch.zeros((), dtype=torch.int, device=self.device)
                 return output, lambda out: (out.float().sum() * 0.0, none, {})
+            batch, replay = item
             tokens, targets, mask, inputs, positions = self._batch_tensors(batch)
             kwargs = {}
             if fused:
                 processor = megatron_speed.logprobs_processor(self.speed, targets, self.device)
                 kwargs["output_processor"] = processor
-            output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **kwargs)
+            with replay or contextlib.nullcontext():
+                output = model(input_ids=tokens, position_ids=positions, attention_mask=None,
+                               **kwargs)  # fmt: skip
+            if replay is not None:
+                for key, value in routing_counts(replay.forced, replay.natural).items():
+                    counts[key] = counts.get(key, 0.0) + value
 
             def loss(output: torch.Tensor):
                 target_lp = output if fused else self._target_logprobs(output, targets)
+                if loss_fn is None:  # R3's free pass: |trainer − sampler| without replay
+                    done.append(sampler_gaps(inputs, mask, target_lp, key=FREE_GAP))
+                    return target_lp.sum() * 0.0, mask.sum().to(torch.int), {}
                 result = losses.compute_loss(loss_fn, target_lp, inputs, mask, config)
+                if replay is not None and "logprobs" in inputs:
+                    result.metrics.update(sampler_gaps(inputs, mask, target_lp))
                 done.append((result, target_lp.detach().float().cpu().numpy()))
                 return result.loss, mask.sum().to(torch.int), {}  # count: unused (no finalize)
 
             return output, loss
 
-        longest = max(len(d.tokens) for d in data)
+        longest = max((len(d.tokens) for g in groups for d in g), default=1)
         with torch.set_grad_enabled(not forward_only):
             get_forward_backward_func()(
                 forward_step_func=step,
@@ -208,15 +249,26 @@ class MegatronPpRank(MegatronTrainerEngine):
                 micro_batch_size=max((len(g) for g in groups), default=1),
                 forward_only=forward_only,
             )
-        result = None
-        if self.last:
-            results = iter(done)
-            result = run_microbatches(mine, budget, lambda _: next(results))
-        box = [result]
+        return done
+
+    def _routing_figures(self, result, groups, total, done, counts, free):
+        """R3's `routing/...` figures on the last stage's result: every stage's replayed and
+        differing pairs summed over the pipeline group, and with `free` the gap without replay
+        from a second, forward-only run of the schedule without replay (every rank runs it)."""
         _, pp_group = self._groups()
-        last = torch.distributed.get_global_rank(pp_group, self.pp - 1)
-        torch.distributed.broadcast_object_list(box, src=last, group=pp_group)
-        return gather_shares(box[0], shares, len(data)) if dp > 1 else box[0]
+        keys = ("routing/positions:sum", "routing/differ:sum")
+        summed = torch.tensor([counts.get(k, 0.0) for k in keys], dtype=torch.float64)
+        torch.distributed.all_reduce(summed, group=pp_group)
+        gaps = []
+        if free:
+            with torch.no_grad():
+                gaps = self._schedule(groups, [None] * len(groups), total, None, None, True, {})
+        if result is not None:
+            figures = dict(zip(keys, summed.tolist(), strict=True))
+            if free:
+                figures[FREE_GAP] = sum(g[FREE_GAP] for g in gaps)
+            result.metrics.update({k: result.metrics.get(k, 0.0) + v for k, v in figures.items()})
+        return result
 
     def _finish_grads(self) -> None:
         from megatron.core.distributed import finalize_model_grads
