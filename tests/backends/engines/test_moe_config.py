@@ -155,7 +155,7 @@ def test_vllm_model_args_serve_hybrids_text_only_with_triton_gdn_prefill(tmp_pat
         (["backend.local.megatron.tp=2"], r"local\.megatron\.tp=2 with the MoE model"),
         (["backend.local.megatron.cp=2"], r"local\.megatron\.cp=2 with the MoE model"),
         (["backend.local.megatron.pp=3"], r"local\.megatron\.pp=3 must divide .*=4"),
-        (["backend.local.megatron.ep=2"], r"local\.megatron\.ep=2 .* dp=1 is not a multiple"),
+        (["backend.local.megatron.ep=2"], r"local\.megatron\.ep=2 .* tp · dp = 1 ranks"),
         (["model.lora_rank=8"], r"model\.lora_rank=8 with the MoE model"),
     ],
 )

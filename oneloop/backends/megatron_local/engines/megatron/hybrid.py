@@ -65,13 +65,22 @@ def check_speed(fused_rope: bool) -> None:
 
 
 def transformer_fields(
-    shape: HybridShape | None, moe: MoeSettings, ep: int, *, cpu: bool
+    shape: HybridShape | None, moe: MoeSettings, parallel: Any, *, cpu: bool
 ) -> dict[str, Any]:
     """The `TransformerConfig` fields of a MoE and / or hybrid model's layers besides the
-    attention's (none for a dense model, `shape` None)."""
+    attention's (none for a dense model, `shape` None); `parallel`: the engine's
+    `MegatronParallel`. MoE at tp > 1: sequence parallelism (megatron-core trains MoE layers
+    under TP only with it) and each expert whole on its rank (expert TP 1: the experts map as at
+    tp = 1)."""
     out: dict[str, Any] = {}
     if shape is not None and shape.experts:
-        out.update(moe.transformer_config_kwargs(shape), expert_model_parallel_size=ep)
+        out.update(moe.transformer_config_kwargs(shape), expert_model_parallel_size=parallel.ep)
+        if parallel.tp > 1:
+            out.update(
+                sequence_parallel=True,
+                tensor_model_parallel_size=parallel.tp,  # what megatron-core's SP check reads
+                expert_tensor_parallel_size=1,
+            )
     if shape is not None and shape.model_type in HYBRID_MODEL_TYPES:
         out.update(_hybrid_fields(shape, cpu))
     return out
@@ -126,6 +135,22 @@ def training_kernel(model) -> str | None:
     return gdn_kernels.torch_rule_where_refused(
         lambda: gdn_kernels.use_torch_delta_rule_in_megatron(model), "megatron"
     )
+
+
+def sequence_parallel_block(layer_spec, layers: int, qk_norm: bool):
+    """megatron-core's local GPT layer spec as a block of `layers` layers (a stage's) whose every
+    norm (pre-attention, pre-MLP, QK, final) is `ZeroCenteredRMSNorm` (plain RMSNorm when the
+    config does not ask zero-centred gamma): megatron-core's torch norm refuses sequence
+    parallelism, which MoE layers under TP need."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    norm = _norm_class()
+    layer = layer_spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = norm
+    if qk_norm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=norm)
 
 
 def block_spec(shape: HybridShape, core_attention, grouped_experts: bool, layers: range | None):

@@ -60,6 +60,7 @@ class MegatronRouterReplay:
         data: list[DatumArrays],
         seq: int,
         stage: range | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if not routers:
             raise ValueError(
@@ -84,6 +85,9 @@ class MegatronRouterReplay:
         self.forced = (
             by_row.reshape(len(data), seq, layers, k).transpose(0, 1).reshape(-1, layers, k)
         )
+        if shard is not None:  # sequence parallelism: this TP rank's slice of the positions
+            rank, size = shard
+            self.forced = self.forced.reshape(size, -1, layers, k)[rank]
         self.routers = routers
         self._layers = [_LayerReplay(self.forced[:, i]) for i in range(layers)]
 
@@ -102,13 +106,19 @@ class MegatronRouterReplay:
 
 
 def replay(
-    module: torch.nn.Module, data: list[DatumArrays], seq: int, stage: range | None = None
+    module: torch.nn.Module,
+    data: list[DatumArrays],
+    seq: int,
+    stage: range | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> MegatronRouterReplay | None:
     """The replay of one micro-batch (padded to `seq`), None when no datum carries routing.
-    `stage`: the decoder layers `module` holds (a pipeline stage's), None: every layer."""
+    `stage`: the decoder layers `module` holds (a pipeline stage's), None: every layer; `shard`:
+    (TP rank, tp) under sequence parallelism (each TP rank routes a contiguous slice of the
+    sequence-major tokens), None: every token."""
     if all(d.routing is None for d in data):
         return None
-    return MegatronRouterReplay(moe_routers(module), data, seq, stage)
+    return MegatronRouterReplay(moe_routers(module), data, seq, stage, shard)
 
 
 def free_pass(data: list[DatumArrays]) -> bool:

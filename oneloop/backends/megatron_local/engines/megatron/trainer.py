@@ -72,10 +72,9 @@ from oneloop.backends.megatron_local.engines.megatron.layout import (
     megatron_param_names,
     megatron_to_hf,
 )
+from oneloop.backends.megatron_local.engines.megatron.world import init_distributed
 from oneloop.backends.megatron_local.engines.microbatch import padded_arrays, run_microbatches
 from oneloop.backends.megatron_local.engines.torch.routing import replay_metrics
-from oneloop.backends.megatron_local.ports import free_port
-from oneloop.errors import CapabilityError
 
 WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable HF model
 OPTIMIZER_FILE = "optimizer.pt"
@@ -102,35 +101,6 @@ def _te_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
-    if parallel.ep > 1 and (parallel.dp * parallel.cp) % parallel.ep:
-        raise CapabilityError(
-            f"local.megatron.ep={parallel.ep}: expert parallelism (MoE models) splits the experts "
-            f"over data-parallel ranks, and dp={parallel.dp} is not a multiple of it"
-        )
-    dist = torch.distributed
-    world = parallel.tp * parallel.pp * parallel.cp * parallel.dp
-    if world > 1 and not (dist.is_initialized() and dist.get_world_size() == world):
-        raise CapabilityError(  # megatron.group.MegatronRayGroup starts the ranks first
-            f"local.megatron dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} cp={parallel.cp}: "
-            "the ranks are started by megatron.group.MegatronRayGroup"
-        )
-    from megatron.core import parallel_state
-
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            parallel.tp,
-            parallel.pp,
-            context_parallel_size=parallel.cp,
-            expert_model_parallel_size=parallel.ep,
-        )
 
 
 def _te_name(name: str) -> str:
@@ -197,7 +167,8 @@ class MegatronTrainerEngine(TrainerEngine):
             megatron_moe.check_engine_layout(
                 self.moe, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, lora_rank=lora.rank
             )
-        init_distributed(self.parallel, self.device)
+        experts = self.moe is not None and self.moe.experts > 0
+        init_distributed(self.parallel, self.device, expert_tp=1 if experts else None)
         if self.device.type == "cuda":
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -256,7 +227,7 @@ class MegatronTrainerEngine(TrainerEngine):
             # DP: Megatron's DDP sums the replicas' gradients instead of averaging (Tinker's sums)
             calculate_per_token_loss=self.parallel.dp > 1,
             **hybrid.transformer_fields(
-                self.moe, self.moe_settings, self.parallel.ep, cpu=self.device.type == "cpu"
+                self.moe, self.moe_settings, self.parallel, cpu=self.device.type == "cpu"
             ),
         )
 
@@ -281,6 +252,9 @@ class MegatronTrainerEngine(TrainerEngine):
             spec.submodules.self_attention.submodules.core_attention = self._core_attention()
             if self.moe is not None and self.speed.grouped_experts:
                 grouped_experts.use_grouped_experts(spec)
+            if self.config.sequence_parallel:  # MoE at tp > 1: norms that take a sequence slice
+                count = len(self.layers or range(self.shape.layers))
+                spec = hybrid.sequence_parallel_block(spec, count, self.shape.qk_norm)
         model = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -444,8 +418,8 @@ class MegatronTrainerEngine(TrainerEngine):
 
     def _batch_tensors(self, data: list[DatumArrays]) -> tuple[torch.Tensor, ...]:
         """tokens, targets, mask [rows, T] (right-padded), loss inputs {key: [rows, T]} and
-        positions of one micro-batch, on the engine's device."""
-        batch, seq = len(data), max(len(d.tokens) for d in data)
+        positions of one micro-batch, on the engine's device (T: `_padded_length`)."""
+        batch, seq = len(data), self._padded_length(max(len(d.tokens) for d in data))
         tokens, targets, mask, inputs = padded_arrays(data, seq)
         dev = self.device
         tokens_t = torch.from_numpy(tokens).to(dev, non_blocking=True)
@@ -454,6 +428,9 @@ class MegatronTrainerEngine(TrainerEngine):
         inputs_t = {k: torch.from_numpy(v).to(dev, non_blocking=True) for k, v in inputs.items()}
         positions = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
         return tokens_t, targets_t, mask_t, inputs_t, positions
+
+    def _padded_length(self, longest: int) -> int:  # sequence parallelism: parallel.pp
+        return longest
 
     def _microbatch(
         self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool

@@ -136,6 +136,18 @@ class MegatronPpRank(MegatronTrainerEngine):
         stage = stage_parts(mapped, self.layers, self.first, self.last, self.shape.tied)
         return shard_all(stage, self.tp, self.coords.tp_rank)
 
+    def _padded_length(self, longest: int) -> int:
+        """Sequence parallelism (MoE at tp > 1) splits each micro-batch's positions over the TP
+        ranks: padded to a multiple of tp (the padding is masked out of every loss)."""
+        if not self.config.sequence_parallel:
+            return longest
+        return -(-longest // self.tp) * self.tp
+
+    def _sequence_shard(self) -> tuple[int, int] | None:
+        """(TP rank, tp) when this rank's MoE layers see one slice of the positions (sequence
+        parallelism), else None: R3's records are sliced alike."""
+        return (self.coords.tp_rank, self.tp) if self.config.sequence_parallel else None
+
     def _target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -176,9 +188,12 @@ class MegatronPpRank(MegatronTrainerEngine):
         # checked) on every rank before the schedule starts
         free = megatron_routing.free_pass(data)
         replays = [
-            megatron_routing.replay(self.module, g, max(len(d.tokens) for d in g), self.layers)
+            megatron_routing.replay(
+                self.module, g, self._padded_length(max(len(d.tokens) for d in g)), self.layers,
+                self._sequence_shard(),
+            )
             for g in groups
-        ]
+        ]  # fmt: skip
         counts: dict[str, float] = {}  # this stage's routing figures, summed over micro-batches
         done = self._schedule(groups, replays, total, loss_fn, config, forward_only, counts)
         result = None
@@ -208,7 +223,7 @@ class MegatronPpRank(MegatronTrainerEngine):
         def step(iterator, model):
             item = next(iterator)
             if item is None:
-                one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+                one = torch.zeros((1, self._padded_length(1)), dtype=torch.long, device=self.device)
                 output = model(input_ids=one, position_ids=one, attention_mask=None)
                 none = torch.zeros((), dtype=torch.int, device=self.device)
                 return output, lambda out: (out.float().sum() * 0.0, none, {})
@@ -252,13 +267,17 @@ class MegatronPpRank(MegatronTrainerEngine):
         return done
 
     def _routing_figures(self, result, groups, total, done, counts, free):
-        """R3's `routing/...` figures on the last stage's result: every stage's replayed and
-        differing pairs summed over the pipeline group, and with `free` the gap without replay
-        from a second, forward-only run of the schedule without replay (every rank runs it)."""
-        _, pp_group = self._groups()
+        """R3's `routing/...` figures on the last stage's result: every stage's (and sequence
+        shard's) replayed and differing pairs summed over the model-parallel group, and with
+        `free` the gap without replay from a second, forward-only run of the schedule without
+        replay (every rank runs it)."""
+        from megatron.core import parallel_state as ps
+
         keys = ("routing/positions:sum", "routing/differ:sum")
         summed = torch.tensor([counts.get(k, 0.0) for k in keys], dtype=torch.float64)
-        torch.distributed.all_reduce(summed, group=pp_group)
+        if not self.config.sequence_parallel:  # each TP rank saw every token: count one
+            summed *= float(self.coords.tp_rank == 0)
+        torch.distributed.all_reduce(summed, group=ps.get_model_parallel_group())
         gaps = []
         if free:
             with torch.no_grad():
