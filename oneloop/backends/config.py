@@ -73,8 +73,9 @@ class MegatronSettings(_Strict):
     all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel size (MoE models): each MoE layer's experts split over ep ranks carved out
-    of the data-parallel ranks of each pipeline stage (ep divides dp; tp = cp = 1 for MoE and the
-    hybrids here), tokens dispatched all-to-all."""
+    of each pipeline stage's tp · dp ranks (Qwen3-MoE under tp > 1 keeps every expert whole, with
+    sequence parallelism; the hybrids run at tp = 1; cp = 1 for both), tokens dispatched
+    all-to-all."""
     moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
     """MoE load-balancing aux loss coefficient (0 = off, the RL default: it would pull the policy
     away from the sampler's routing)."""

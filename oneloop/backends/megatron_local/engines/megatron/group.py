@@ -67,7 +67,7 @@ def rank_bundles(
     strategy: str = "auto",
 ) -> tuple[list[dict[str, float]], str]:
     """The placement-group bundles (one per rank, in global-rank order) and the Ray strategy of a
-    megatron trainer with `parallel`'s sizes (dp · pp · cp · tp ranks; ep divides dp · cp).
+    megatron trainer with `parallel`'s sizes (dp · pp · cp · tp ranks; EP adds none).
 
     Each bundle is `{"GPU": gpus_per_rank, "CPU": cpus_per_rank}` (a zero entry left out; a CPU
     run has `gpus_per_rank=0`). `strategy` "auto": STRICT_PACK when the whole group fits one of
