@@ -66,14 +66,15 @@ class MegatronSettings(_Strict):
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel size: the decoder layers split evenly over pp stages (pp must divide
     num_hidden_layers), run by megatron-core's 1F1B schedule over the token-budget micro-batches
-    (`megatron.parallel.pp`); combines with tp, the group being tp × pp ranks (`gpus_per_trainer` = tp ·
-    pp · cp); full fine-tuning only (LoRA needs pp = 1)."""
+    (`megatron.parallel.pp`); combines with tp, dp and ep (`gpus_per_trainer` = dp · tp · pp · cp);
+    full fine-tuning only (LoRA needs pp = 1)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel size: each sequence split over cp ranks (Megatron's 2·cp-chunk layout, K/V
     all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel size (MoE models): each MoE layer's experts split over ep ranks carved out
-    of the data-parallel ranks (ep divides dp; tp = pp = cp = 1 for MoE here), tokens dispatched
+    of each pipeline stage's tp · dp ranks (Qwen3-MoE under tp > 1 keeps every expert whole, with
+    sequence parallelism; the hybrids run at tp = 1; cp = 1 for both), tokens dispatched
     all-to-all."""
     moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
     """MoE load-balancing aux loss coefficient (0 = off, the RL default: it would pull the policy
@@ -82,8 +83,8 @@ class MegatronSettings(_Strict):
     """MoE router z-loss coefficient (0 = off)."""
     dp: int | None = Field(default=None, ge=1)
     """Data-parallel size: replicas of the tp × pp × cp model, each call's datums split over them
-    by token count, gradients summed by Megatron's DDP, the distributed optimizer sharded over them
-    (pp = 1); None = local.gpus_per_trainer / (tp · pp · cp), at least 1."""
+    by token count, gradients summed by Megatron's DDP, the distributed optimizer sharded over them;
+    None = local.gpus_per_trainer / (tp · pp · cp), at least 1."""
     placement_strategy: Literal["auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "auto"
     """Ray placement strategy of the group's rank actors (one bundle per rank); auto = STRICT_PACK
     when the group fits one node, else PACK (TP × CP blocks on one node, DP replicas span nodes)."""

@@ -1,6 +1,7 @@
 """Checks of a model's architecture against the backend settings that depend on it, run before
-any engine starts: mixture-of-experts settings (expert parallelism, routing replay) and the
-hybrid layer pattern.
+any engine starts: mixture-of-experts settings (expert parallelism, routing replay), the
+hybrid layer pattern, and the megatron engine's layout of these models (pipeline stages, what it
+does not build).
 
 Reads the model's Hugging Face `config.json` (the multimodal Qwen3.5 checkpoints keep the text
 model's fields under `text_config`); a model the local backend does not resolve here (a name
@@ -87,3 +88,31 @@ def check_routing_replay_backend(supported: bool, backend: str, field: str) -> N
             f"{field}: routing replay (R3) is not supported by backend {backend!r}: "
             + ROUTING_REPLAY_SUPPORT
         )
+
+
+def check_megatron_layout(
+    config: Mapping[str, Any], *, megatron: Any, gpus_per_trainer: float, lora_rank: int
+) -> None:
+    """The megatron engine's refusals for this model's layout (`local.megatron`), raised here so
+    they come before any engine starts: pp must split the decoder layers evenly, and a MoE or
+    hybrid model refuses what `moe.check_engine_layout` refuses (tp / cp > 1, LoRA, an ep that
+    does not divide dp). CapabilityError naming the field."""
+    from oneloop.backends.megatron_local.engines.megatron import moe
+    from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
+        check_pp,
+        resolve_dp,
+    )
+
+    m = megatron
+    try:
+        check_pp(int(config["num_hidden_layers"]), m.pp)
+        if config.get("model_type") in moe.FAMILIES:
+            dp = resolve_dp(m.dp, gpus_per_trainer, m.tp, m.pp, m.cp)
+            shape = moe.HybridShape.from_hf(dict(config))
+            moe.check_engine_layout(
+                shape, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, dp=dp, lora_rank=lora_rank
+            )
+    except CapabilityError:
+        raise
+    except ValueError as error:
+        raise CapabilityError(str(error)) from None

@@ -19,7 +19,9 @@ Trainer memory: full fine-tuning costs `weights + grads + 12` bytes per paramete
 copy and Adam m and v, 4 B each; bf16 weights and grads give the usual 16 B/param); LoRA keeps the
 frozen base in the weight dtype and pays those bytes per parameter for the adapters only.
 Activations are not included. Per-GPU figures assume the states are sharded evenly over
-`--trainer-gpus` (Megatron TP/PP/EP with the distributed optimizer).
+`--trainer-gpus`; `--trainer-layout pp=..,ep=..` gives the busiest GPU's state as Megatron
+splits it (routed experts' optimizer state sharded over expert-data-parallel ranks only:
+`oneloop.diagnostics.trainer_memory`).
 
 Trainer/sampler split (`--nodes N`): the trainer keeps `--trainer-gpus` on whole nodes, the
 rest sample; the throughput model and its stated assumptions are in `oneloop.diagnostics.split`.
@@ -47,6 +49,7 @@ from oneloop.diagnostics.model_shape import (
     param_count,
 )
 from oneloop.diagnostics.split import SplitInputs, compute_split, engines_on
+from oneloop.diagnostics.trainer_memory import layout_memory, parse_layout
 
 GIB = 2**30
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v, 4 B each
@@ -71,6 +74,7 @@ class SizeInputs:
     lora_rank: int
     trainer_gpus: int
     grad_dtype: str
+    trainer_layout: dict[str, int] | None = None  # `--trainer-layout` (tp, pp, cp, ep)
 
 
 def _gib(n_bytes: int | Fraction) -> str:
@@ -184,6 +188,11 @@ def compute(s: ModelShape, x: SizeInputs, split: SplitInputs | None = None) -> d
         f"{recommended:,} ({bound}-bound)"
     )
     trainer = _trainer_section(s, x, params.total, lines)
+    if x.trainer_layout is not None:
+        trainer["trainer_layout"] = layout_memory(
+            s, params, x.trainer_layout, trainer_gpus=x.trainer_gpus, dtype=x.dtype,
+            grad_dtype=x.grad_dtype, lines=lines,
+        )  # fmt: skip
     split_figures = compute_split(s, params.total, split, lines) if split is not None else None
     return {
         "model": {
@@ -282,6 +291,10 @@ def format_text(report: dict[str, Any]) -> str:
         f"trainer, full fine-tuning:   {_gib(report['trainer_full_bytes'])}",
         f"trainer, LoRA:               {_gib(report['trainer_lora_bytes'])}",
     ]
+    if report.get("trainer_layout"):
+        layout = report["trainer_layout"]
+        sizes = " ".join(f"{k}={v}" for k, v in layout["layout"].items())
+        out.append(f"trainer per GPU ({sizes}): {_gib(layout['bytes_per_gpu'])}")
     split = report.get("split")
     if split:
         waits = "waits" if split["trainer_waits"] else "never waits"
@@ -346,6 +359,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", default="0", help="per-GPU memory held back (activations)")
     p.add_argument("--lora-rank", default="32", help="LoRA rank for the LoRA trainer figure")
     p.add_argument("--trainer-gpus", default="1", help="GPUs the trainer states are sharded over")
+    p.add_argument(
+        "--trainer-layout",
+        help="Megatron layout, e.g. pp=10,ep=8 (tp, pp, cp, ep; dp from --trainer-gpus): the "
+        "busiest GPU's state with experts and their optimizer split as Megatron splits them",
+    )
     p.add_argument("--nodes", help="split this many nodes between trainer and samplers")
     p.add_argument("--gpus-per-node", default="8", help="with --nodes: GPUs of one node")
     p.add_argument("--gpu-tflops", default="989", help="with --nodes: dense bf16 TFLOP/s of a GPU")
@@ -379,6 +397,7 @@ def parse_inputs(args: argparse.Namespace, shape: ModelShape) -> SizeInputs:
         lora_rank=num("lora-rank"),
         trainer_gpus=num("trainer-gpus"),
         grad_dtype=_dtype("grad-dtype", args.grad_dtype),
+        trainer_layout=parse_layout(args.trainer_layout) if args.trainer_layout else None,
     )
     if x.gpu_utilization > 1:
         raise SizeInputError(f"--gpu-utilization: must be <= 1, got {args.gpu_utilization!r}")

@@ -239,8 +239,9 @@ class TrainConfig(_Strict):
         return self
 
     def check_model(self) -> None:
-        """Routing replay and expert parallelism against the backend and the model's config
-        (`load_config` runs it, before any engine starts); CapabilityError naming the field."""
+        """Routing replay, expert parallelism and the megatron engine's layout against the backend
+        and the model's config (`load_config` runs it, before any engine starts); CapabilityError
+        naming the field."""
         from oneloop.backends import model_check
         from oneloop.backends.capabilities import TINKER_SERVICE, local_capabilities
 
@@ -259,12 +260,18 @@ class TrainConfig(_Strict):
                 caps.routing_replay, self.backend.backend, "algo.routing_replay"
             )
         ep = local.megatron.ep if self.backend.backend == "local" else 1
-        if replay or ep > 1:
+        megatron = self.backend.backend == "local" and local.trainer_engine == "megatron"
+        if replay or ep > 1 or megatron:
             config = model_check.model_config(self.backend.models, self.model.base_model)
             if config is not None:
                 model_check.check_model(
                     config, base_model=self.model.base_model, ep=ep, routing_replay=replay
                 )
+            if config is not None and megatron:
+                model_check.check_megatron_layout(
+                    config, megatron=local.megatron, gpus_per_trainer=local.gpus_per_trainer,
+                    lora_rank=self.model.lora_rank,
+                )  # fmt: skip
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:

@@ -238,3 +238,39 @@ def test_cli_subprocess_text_shows_the_arithmetic() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "config: '/nonexistent/config.json' is not a config.json file" in done.stderr
+
+
+def test_trainer_layout_splits_experts_and_their_optimizer_as_megatron_does(capsys) -> None:
+    """The 397B hybrid (config from the published card: 60 layers, 512 experts of width 1024,
+    hidden 4096, vocab 248,320, untied) at the preset's pp 10 × dp 8, ep 8 on 80 GPUs: the routed
+    experts split 80 ways with their optimizer state unsharded (expert dp = 1); the dense
+    parameters split by stage (the end stage holding one embedding matrix), their optimizer state
+    sharded over the 8 replicas."""
+    config = FIXTURES / "qwen3.5-397b-a17b-text.json"
+    report = run_json(capsys, config, "--trainer-layout", "pp=10,ep=8", trainer_gpus=80, tp=8)
+    routed = 60 * 512 * 3 * 4096 * 1024
+    body = (  # every parameter but the embeddings and the routed experts
+        15 * (4096 * 32 * 256 * 2 + 2 * 4096 * 2 * 256 + 32 * 256 * 4096 + 2 * 256)  # gated attn
+        + 45 * (  # Gated DeltaNet: in_proj qkvz and ba, out_proj, conv, A_log, dt_bias, norm
+            4096 * (2 * 16 * 128 + 2 * 64 * 128) + 4096 * 2 * 64 + 64 * 128 * 4096
+            + (2 * 16 * 128 + 64 * 128) * 4 + 64 + 64 + 128
+        )
+        + 60 * (4096 * 512 + 3 * 4096 * 1024 + 4096)  # router, shared expert and its gate
+        + 2 * 4096 * 60 + 4096  # norms
+    )  # fmt: skip
+    assert body == 7_765_056_256
+    dense = body / 10 + 248320 * 4096
+    expected = dense * (2 + 2) + dense * 12 / 8 + routed / 80 * (2 + 2 + 12)
+    layout = report["trainer_layout"]
+    assert layout["layout"] == {"tp": 1, "pp": 10, "cp": 1, "ep": 8, "dp": 8, "expert_dp": 1}
+    assert abs(layout["bytes_per_gpu"] - expected) <= 1
+    # the even-sharding figure understates it: experts' optimizer state is not sharded at ep = dp
+    assert layout["bytes_per_gpu"] > report["trainer_full_bytes"] / 80
+    args = [str(config), *BASE, "--trainer-gpus", "80", "--trainer-layout"]
+    assert "tp·pp·cp = 12 does not divide --trainer-gpus=80" in run_error(capsys, [*args, "pp=12"])
+    assert "ep=16 must divide the 512 experts and dp·cp = 8" in run_error(
+        capsys, [*args, "pp=10,ep=16"]
+    )
+    seven = [str(config), *BASE, "--trainer-gpus", "84", "--trainer-layout", "pp=7"]
+    assert "pp=7 does not divide the 60 layers" in run_error(capsys, seven)
+    assert "'xp=2' is not one of tp=N" in run_error(capsys, [*args, "xp=2"])

@@ -174,6 +174,9 @@ def test_group_refuses_lora_and_uneven_stages_before_starting_ranks(tmp_path) ->
         MegatronRayGroup(tmp_path, LoraSpec(0), parallel=MegatronParallel(pp=3), device="cpu")
     assert rank_engine_class(MegatronParallel(tp=2, pp=2)).__name__ == "MegatronPpRank"
     assert rank_engine_class(MegatronParallel(tp=2)).__name__ == "MegatronTpRank"
+    # MoE under TP (sequence parallel): the PP rank class's reductions, as one stage
+    assert rank_engine_class(MegatronParallel(tp=2), moe=True).__name__ == "MegatronPpRank"
+    assert rank_engine_class(MegatronParallel(dp=2, ep=2), moe=True).__name__ == "MegatronTpRank"
 
 
 def test_factory_checks_gpus_per_trainer_before_building(tmp_path) -> None:

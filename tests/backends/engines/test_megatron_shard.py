@@ -117,10 +117,8 @@ def test_check_tp_names_the_indivisible_figure() -> None:
 
 
 def test_parallel_sizes_not_built_are_refused_with_the_reason() -> None:
-    from oneloop.backends.megatron_local.engines.megatron.trainer import (
-        MegatronParallel,
-        init_distributed,
-    )
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+    from oneloop.backends.megatron_local.engines.megatron.world import init_distributed
     from oneloop.errors import CapabilityError
 
     cpu = torch.device("cpu")

@@ -1,6 +1,7 @@
 """A bad mixture-of-experts setup is refused by `load_config`, before any engine starts, naming
 the field: routing replay on a backend that cannot replay or on a dense model, experts not
-divisible by expert parallelism, an unknown layer type."""
+divisible by expert parallelism, an unknown layer type, a megatron layout the engine does not
+build for these models."""
 
 import json
 import shutil
@@ -85,7 +86,8 @@ def test_routing_replay_is_refused_naming_the_field(overrides, message):
 def test_experts_not_divisible_by_ep_are_refused_naming_the_field():
     base = ["backend.local.trainer_engine=megatron", f"model.base_model={TINY_QWEN3_5_MOE}"]
     assert named_tiny_specs()[TINY_QWEN3_5_MOE].num_experts == 8
-    load_config("demo-cpu", [*base, "backend.local.megatron.ep=4"])  # 8 experts over 4 ranks
+    # 8 experts over 4 ranks, carved out of 4 data-parallel replicas
+    load_config("demo-cpu", [*base, "backend.local.megatron.ep=4", "backend.local.megatron.dp=4"])
     with pytest.raises(ConfigError, match=r"local\.megatron\.ep=3: .* its 8 experts"):
         load_config("demo-cpu", [*base, "backend.local.megatron.ep=3"])
     with pytest.raises(ConfigError, match=r"local\.megatron\.ep=2: .* dense model"):
@@ -145,3 +147,23 @@ def test_vllm_model_args_serve_hybrids_text_only_with_triton_gdn_prefill(tmp_pat
     Qwen3_5MoeConfig().save_pretrained(tmp_path)  # Qwen3.6-35B-A3B's config: vision + text
     assert vllm_model_args(tmp_path) == {"language_model_only": True, **triton}
     assert vllm_model_args(build_tiny_model(named_tiny_specs()[TINY_QWEN3_MOE])) == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["backend.local.megatron.tp=2"], r"local\.megatron\.tp=2 with the MoE model"),
+        (["backend.local.megatron.cp=2"], r"local\.megatron\.cp=2 with the MoE model"),
+        (["backend.local.megatron.pp=3"], r"local\.megatron\.pp=3 must divide .*=4"),
+        (["backend.local.megatron.ep=2"], r"local\.megatron\.ep=2 .* tp · dp = 1 ranks"),
+        (["model.lora_rank=8"], r"model\.lora_rank=8 with the MoE model"),
+    ],
+)
+def test_the_megatron_layout_of_a_moe_model_is_refused_before_any_engine(overrides, message):
+    """What the megatron engine would refuse when it builds a MoE / hybrid model is refused by
+    `load_config`, naming the field; pipeline stages × replicas × EP load."""
+    base = ["backend.local.trainer_engine=megatron", f"model.base_model={TINY_QWEN3_5_MOE}"]
+    staged = ["backend.local.megatron.pp=2", "backend.local.megatron.dp=2"]
+    load_config("demo-cpu", [*base, *staged, "backend.local.megatron.ep=2"])
+    with pytest.raises(CapabilityError, match=message):
+        load_config("demo-cpu", [*base, *overrides])

@@ -157,25 +157,36 @@ def test_hybrid_transformer_fields_and_refusals() -> None:
         transformer_fields,
     )
     from oneloop.backends.megatron_local.engines.megatron.moe import check_engine_layout
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
     from oneloop.errors import CapabilityError
 
     moe, _ = _checkpoint(TINY_QWEN3_5_MOE)
     dense, _ = _checkpoint(TINY_QWEN3_5)
-    fields = transformer_fields(moe, MoeSettings(), 2, cpu=True)
+    fields = transformer_fields(moe, MoeSettings(), MegatronParallel(dp=2, ep=2), cpu=True)
     assert fields["linear_attention_freq"] == [
         int(k == "linear_attention") for k in moe.layer_types
     ]
     assert fields["num_moe_experts"] == moe.experts and fields["expert_model_parallel_size"] == 2
     assert fields["layernorm_zero_centered_gamma"] and fields["attention_output_gate"]
     assert fields["deterministic_mode"] and not fields["perform_initialization"]
-    assert not transformer_fields(dense, MoeSettings(), 1, cpu=False)["deterministic_mode"]
-    assert "num_moe_experts" not in transformer_fields(dense, MoeSettings(), 1, cpu=False)
-    assert transformer_fields(None, MoeSettings(), 1, cpu=True) == {}
+    one = MegatronParallel()
+    assert not transformer_fields(dense, MoeSettings(), one, cpu=False)["deterministic_mode"]
+    assert "num_moe_experts" not in transformer_fields(dense, MoeSettings(), one, cpu=False)
+    assert transformer_fields(None, MoeSettings(), one, cpu=True) == {}
     sizes = dict(tp=1, pp=1, cp=1, ep=1, dp=1, lora_rank=0)
     check_engine_layout(dense, **sizes)
-    for field, value in (("tp", 2), ("pp", 2), ("cp", 2), ("lora_rank", 8)):
+    for field, value in (("tp", 2), ("cp", 2), ("lora_rank", 8)):
         with pytest.raises(CapabilityError, match=rf"{field}={value} with the hybrid model"):
             check_engine_layout(dense, **{**sizes, field: value})
+    check_engine_layout(moe, **{**sizes, "pp": 2, "dp": 4, "ep": 4})  # stages × replicas × EP
+    with pytest.raises(CapabilityError, match=r"ep=4 with the MoE model.*tp · dp = 2 ranks"):
+        check_engine_layout(moe, **{**sizes, "pp": 2, "dp": 2, "ep": 4})
+    with pytest.raises(CapabilityError, match="tp=2 with the MoE model 'qwen3_5_moe_text'.*Gated"):
+        check_engine_layout(moe, **{**sizes, "tp": 2})  # the hybrid's GDN has no TP map
+    qwen3_moe, _ = _checkpoint(TINY_QWEN3_MOE)
+    check_engine_layout(qwen3_moe, **{**sizes, "tp": 2, "ep": 2})  # EP carved from the TP pair
+    sp = transformer_fields(qwen3_moe, MoeSettings(), MegatronParallel(tp=2), cpu=True)
+    assert sp["sequence_parallel"] and sp["expert_tensor_parallel_size"] == 1
     with pytest.raises(ValueError, match="ep=2: must divide the model's 0 experts"):
         check_engine_layout(dense, **{**sizes, "ep": 2, "dp": 2})
     with pytest.raises(CapabilityError, match="fused_rope=true"):

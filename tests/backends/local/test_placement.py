@@ -1,4 +1,4 @@
-"""The placement dry run (`oneloop train --plan`, `megatron_local.placement`): the two presets'
+"""The placement dry run (`oneloop train --plan`, `megatron_local.placement`): the presets'
 16-node layouts on a described cluster (test data, no cluster), refusals that name what is short,
 and the planner's trainer bundles agreeing with the rank group's own rule (`group.rank_bundles`)."""
 
@@ -64,6 +64,25 @@ def test_qwen3_6_35b_a3b_on_16_nodes_trains_on_4_and_samples_on_12():
         assert [s.gpu for s in group.seats] == [2 * (e % 4), 2 * (e % 4) + 1]
     used = gpus_used(p)
     assert len(used) == 128 and set(used.values()) == {1.0}  # every GPU used once
+
+
+def test_qwen3_5_397b_a17b_trains_in_10_stages_a_node_and_samples_on_6():
+    p = preset_plan("qwen3.5-397b-a17b")
+    roles = p.node_roles()
+    assert [roles[f"node-{i}"] for i in range(16)] == ["train"] * 10 + ["sample"] * 6
+    t = p.trainer_shape
+    assert (t.dp, t.pp, t.cp, t.ep, t.tp, t.ranks) == (8, 10, 1, 8, 1, 80)
+    assert p.trainer.strategy == "PACK"
+    for stage in range(10):  # a stage's 8 replicas (its EP group) fill one node
+        seats = p.trainer.seats[8 * stage : 8 * stage + 8]
+        assert [s.node for s in seats] == [f"node-{stage}"] * 8
+        assert seats[1].role == f"trainer rank {8 * stage + 1} (dp 1 pp {stage} cp 0 ep 1 tp 0)"
+    assert len(p.samplers) == 6
+    for e, group in enumerate(p.samplers):
+        assert (group.strategy, group.bundles) == ("STRICT_PACK", ({"GPU": 8.0},))
+        assert group.bundle_nodes == (f"node-{10 + e}",)
+    used = gpus_used(p)
+    assert len(used) == 128 and set(used.values()) == {1.0}
 
 
 def test_qwen3_8b_on_16_nodes_trains_on_1_and_samples_on_15():

@@ -92,7 +92,8 @@ def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -
     streams and events are `NullStream`s, `torch.cuda.stream(...)` a null context, and
     `synchronize` returns at once. With `allocations`, also: the `FACTORIES` put tensors asked
     for on CUDA on the CPU, `Tensor.cuda()` returns the tensor itself, and `Tensor.type()` names
-    a CPU tensor `torch.cuda.*Tensor` (Megatron's DDP, optimizer and schedules on CPU tensors).
+    a CPU tensor `torch.cuda.*Tensor` (Megatron's DDP, optimizer and schedules on CPU tensors),
+    and megatron-core's CUDA RNG tracker forks to a null context (sequence parallelism's dropouts).
     """
     torch.cuda.current_device = lambda: device
     torch.cuda.current_stream = lambda *_args, **_kwargs: NullStream()
@@ -105,6 +106,12 @@ def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -
             setattr(torch, name, _on_cpu(getattr(torch, name)))
         torch.Tensor.cuda = lambda self, *_args, **_kwargs: self
         torch.Tensor.type = _cuda_type_name
+        # Sequence parallelism forks megatron-core's CUDA RNG tracker around its dropouts (the
+        # engine seeds it on CUDA only; every dropout is 0 here): forking changes nothing on CPU
+        from megatron.core.tensor_parallel import random as megatron_random
+
+        tracker = megatron_random.CudaRNGStatesTracker
+        tracker.fork = lambda *_args, **_kwargs: contextlib.nullcontext()
 
 
 def gloo_all_to_all() -> None:

@@ -12,8 +12,10 @@ random amounts (a wrong norm mapping would then show), writes the models to DIR,
 the torch trainer engine (transformers' modules, the ones the sampler runs; its own process, without
 the CUDA-on-CPU shims). Phase `megatron` trains the same models on the megatron engine: megatron-
 core's GatedDeltaNet (its torch delta rule on CPU), gated attention and MoE layers from
-`megatron.hybrid`; the MoE model also as a Ray group of dp = 2 × ep = 2 ranks on gloo, whose
-checkpoint (after step 1) loads at ep = 1. Two optim_steps; figures to DIR/figures.json.
+`megatron.hybrid`; the MoE model also as Ray groups on gloo of dp = 2 × ep = 2 ranks and of
+pp = 2 × dp = 2 × ep = 2 ranks (two pipeline stages, each its slice of the layer pattern, experts
+split over the replicas of each stage), whose checkpoints (after step 1) load at ep = 1. Two
+optim_steps; figures to DIR/figures.json.
 """
 
 import json
@@ -105,20 +107,30 @@ def _run(work: Path) -> None:
         _train(ref, out, "ref")
         tags = ["torch"]
         if name == "qwen3.5-moe":
-            cm.start_ray(2)
+            cm.start_ray(4)
+            group = dict(timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0)
             ep2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(dp=2, ep=2),
-                                   timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(),
-                                   gpus_per_rank=0, **mega)  # fmt: skip
+                                   **group, **mega)  # fmt: skip
             cm.replay_call(ep2, model, out, "ep2", LENGTHS[0], ADAMS[0], backward=False)
             _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
             ep2.close()
-            tags.append("ep2")
-            figures.update({f"{name}/{k}": v for k, v in cm.r3_gaps(out, ("ref", "ep2")).items()})
-            figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
-            ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
-            figures[f"{name}/ep1_loads_ep2_weights_gap"] = cm.weights_gap(
-                cm.fused_weights(ref), out["ep2/weights0"]
+            # the 397B layout's shape: pipeline stages (each its slice of the layer pattern) ×
+            # data-parallel replicas, the experts split over the replicas of each stage
+            staged = MegatronRayGroup(
+                model, LoraSpec(0), parallel=MegatronParallel(pp=2, dp=2, ep=2), **group, **mega
             )
+            cm.replay_call(staged, model, out, "pp2ep2", LENGTHS[0], ADAMS[0], backward=False)
+            _train(staged, out, "pp2ep2", save=work / "ckpt_pp2ep2_step1")
+            staged.close()
+            tags += ["ep2", "pp2ep2"]
+            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2"))
+            figures.update({f"{name}/{k}": v for k, v in r3.items()})
+            figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
+            for tag in ("ep2", "pp2ep2"):  # the groups' checkpoints load in one process
+                ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
+                figures[f"{name}/ep1_loads_{tag}_weights_gap"] = cm.weights_gap(
+                    cm.fused_weights(ref), out[f"{tag}/weights0"]
+                )
         figures.update({f"{name}/{k}": v for k, v in cm.run_gaps(out, tags, steps=2).items()})
         figures[f"{name}/weights_moved"] = cm.weights_gap(out["ref/weights1"], out["ref/weights0"])
         del ref

@@ -15,7 +15,8 @@ The tiny random Qwen3-MoE (`oneloop/tiny-qwen3-moe`, fp32), the same datums and 
   layer's experts; tokens dispatched all-to-all on gloo) on a local Ray runtime, with a token
   budget small enough that the two replicas get different micro-batch counts (the idle
   micro-batches keep the dispatch collectives paired), a checkpoint with the optimizer after
-  step 1;
+  step 1; `pp2`: the same as a group of two pipeline stages (one MoE layer each); `tp2`: tensor
+  parallelism 2 with sequence parallelism, the experts whole and split ep 2 over the TP pair;
 - `ref` loading the ep = 2 checkpoint: the weights load (experts gathered back into HF form),
   the optimizer state is refused (saved at another layout) before anything loads.
 Loss, logprobs, grad norm and weights after each of two optim_steps go to DIR/figures.json;
@@ -97,21 +98,36 @@ def _run(work: Path) -> None:
     # the next steps start clean
     _train(ep2, out, "ep2", save=work / "ckpt_ep2_step1")
     ep2.close()
+    pp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(pp=2),
+                           timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0,
+                           **mega)  # fmt: skip
+    cm.replay_call(pp2, model, out, "pp2", LENGTHS[0], ADAMS[0], backward=False)  # R3 by stage
+    _train(pp2, out, "pp2")  # one MoE layer per stage, the tied output layer on the last
+    pp2.close()
+    # tensor parallelism: attention split over 2 ranks, sequence parallelism (each rank's MoE
+    # layers route half the positions), every expert whole, split ep 2 over the same two ranks
+    tp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(tp=2, ep=2),
+                           timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0,
+                           **mega)  # fmt: skip
+    cm.replay_call(tp2, model, out, "tp2", LENGTHS[0], ADAMS[0], backward=False)
+    _train(tp2, out, "tp2", save=work / "ckpt_tp2_step1")
+    tp2.close()
     figures: dict = {"microbatch_counts_dp2": cm.microbatch_counts(LENGTHS, 2, BUDGET)}
     try:
         ref.load_state(work / "ckpt_ep2_step1", with_optimizer=True)
         figures["ep1_loads_ep2_optimizer"] = "loaded"
     except ValueError as error:
         figures["ep1_loads_ep2_optimizer"] = str(error)
-    ref.load_state(work / "ckpt_ep2_step1", with_optimizer=False)
-    loaded = cm.fused_weights(ref)
-    figures["ep1_loads_ep2_weights_gap"] = cm.weights_gap(loaded, out["ep2/weights0"])
+    for tag in ("tp2", "ep2"):  # the groups' checkpoints load in one process (ep2's last)
+        ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
+        loaded = cm.fused_weights(ref)
+        figures[f"ep1_loads_{tag}_weights_gap"] = cm.weights_gap(loaded, out[f"{tag}/weights0"])
     figures["optimizer_files"] = sorted(p.name for p in (work / "ckpt_ep2_step1").glob("opt*"))
     figures["grouped_experts"] = sorted(
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
-    figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential"), steps=2))
-    figures.update(cm.r3_gaps(out, ("ref", "ep2")))
+    figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential", "pp2", "tp2"), steps=2))
+    figures.update(cm.r3_gaps(out, ("ref", "ep2", "pp2", "tp2")))
     figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
     (work / "figures.json").write_text(json.dumps(figures, indent=1))

@@ -2,11 +2,12 @@
 test_megatron_pp_gloo).
 
     .venv/bin/python tests/backends/engines/megatron_cpu/pp_gloo_phases.py \
-        --only (1|pp2|tp2pp2)-(tied|untied) --work DIR
+        --only (1|pp2|tp2pp2|pp2dp2)-(tied|untied) --work DIR
 
 One phase per process (one torch.distributed world each): a tiny random Qwen3 (4 layers; tied or
-untied embeddings) through the one-process engine ("1") or through `megatron.group` at PP = 2 and
-TP = 2 × PP = 2, the same calls in each: forward_backward over 5 data in 3 token-budget
+untied embeddings) through the one-process engine ("1") or through `megatron.group` at PP = 2,
+TP = 2 × PP = 2 and PP = 2 × DP = 2 (two pipelines, each its share of the datums, unequal
+micro-batch counts), the same calls in each: forward_backward over 5 data in 3 token-budget
 micro-batches of different shapes (cross_entropy with per-token weights), optim_step (grad norm),
 hf_weights, save_state with the optimizer, a second forward_backward + optim_step, load_state of
 the checkpoint and the same second step again (the resumed weights must equal the uninterrupted
@@ -44,7 +45,7 @@ ADAM = {
     "grad_clip_norm": 0.0,
 }
 BUDGET = 40  # lengths 20,13 | 7,17 | 9 → three micro-batches of shapes [2,20], [2,17], [1,9]
-SIZES = {"1": (1, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+SIZES = {"1": (1, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "pp2dp2": (1, 2, 2)}
 
 
 def _weights(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
@@ -64,13 +65,13 @@ def _run(name: str, tied: bool, work: Path) -> None:
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
     from oneloop.errors import LossInputError
 
-    tp, pp = SIZES[name]
+    tp, pp, dp = SIZES[name]
     tag = f"{name}-{'tied' if tied else 'untied'}"
     model = cm.tiny_qwen3(work / f"model-{'tied' if tied else 'untied'}", layers=4, tied=tied)
     kwargs = dict(
         dtype="float32",
         device="cpu",
-        parallel=MegatronParallel(tp=tp, pp=pp),
+        parallel=MegatronParallel(tp=tp, pp=pp, dp=dp),
         max_tokens_per_microbatch=BUDGET,
     )
     engine, _ = cm.make_engine(model, LoraSpec(0), group=name != "1", **kwargs)

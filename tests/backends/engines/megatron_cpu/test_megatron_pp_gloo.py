@@ -1,5 +1,6 @@
 """The megatron engine's pipeline parallelism on real megatron-core vs the one-process engine,
-gloo ranks, float32: PP = 2 with tied and untied embeddings, TP = 2 × PP = 2 with tied ones.
+gloo ranks, float32: PP = 2 with tied and untied embeddings, TP = 2 × PP = 2 and PP = 2 × DP = 2
+with tied ones.
 
 pp_gloo_phases.py runs each size in its own process (the CUDA-on-CPU shims stay there) on the same
 calls: forward_backward over 3 token-budget micro-batches, optim_step, a second step, save/load
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.megatron_cpu, pytest.mark.timeout(1200)]
 # pp2 first: "1" loads its checkpoint and tp2pp2 refuses its optimizer state. TP = 2 × PP = 2 runs
 # with tied embeddings only (CI time: its four ranks are the check's most expensive phase; the
 # untied lm_head's pipeline placement is checked at PP = 2, its TP split by tests/gpu).
-GROUPS = {"tied": ("pp2", "tp2pp2"), "untied": ("pp2",)}
+GROUPS = {"tied": ("pp2", "tp2pp2", "pp2dp2"), "untied": ("pp2",)}
 LIMITS = {  # figure → its largest allowed value
     "loss_rel_diff": 1e-5,
     "per_datum_loss_abs_diff_max": 1e-3,

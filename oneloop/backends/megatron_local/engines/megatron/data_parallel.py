@@ -2,7 +2,22 @@
 
 import numpy as np
 
-from oneloop.backends.megatron_local.engines.base import ForwardResult
+from oneloop.backends.megatron_local import losses
+from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult
+from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
+
+
+def validate_everywhere(loss_fn: str, data: list[DatumArrays]) -> None:
+    """Every datum's loss inputs checked on every rank before any collective: an input error
+    raised by one replica or stage alone would leave the others waiting."""
+    for index, datum in enumerate(data):
+        inputs = {"target_tokens": datum.targets, **datum.inputs}
+        losses.validate_datum_inputs(loss_fn, len(datum.tokens), inputs, index)
+
+
+def microbatch_counts(data: list[DatumArrays], shares: list[list[int]], budget: int) -> list[int]:
+    """Token-budget micro-batches each replica's share packs into (`pack_microbatches`)."""
+    return [len(pack_microbatches([len(data[i].tokens) for i in s], budget)) for s in shares]
 
 
 def dp_shares(lengths: list[int], dp: int) -> list[list[int]]:
@@ -30,3 +45,15 @@ def merge_shares(results: list[ForwardResult], shares: list[list[int]], n: int) 
         for key, value in result.metrics.items():
             metrics[key] = metrics.get(key, 0.0) + value
     return ForwardResult(logprobs, float(sum(per_datum)), per_datum, metrics)
+
+
+def gather_shares(mine: ForwardResult, shares: list[list[int]], n: int) -> ForwardResult:
+    """The whole call's result on every rank from each replica's for its share (an all-gather
+    over this rank's data-parallel group; every rank calls it)."""
+    import torch
+    from megatron.core import parallel_state
+
+    every: list = [None] * len(shares)
+    group = parallel_state.get_data_parallel_group()
+    torch.distributed.all_gather_object(every, mine, group=group)
+    return merge_shares(every, shares, n)

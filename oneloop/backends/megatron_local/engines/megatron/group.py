@@ -7,7 +7,8 @@ torch.distributed world (NCCL on GPU, gloo on CPU); every rank joins Megatron's 
 those sizes, placed in Megatron's rank order (`parallel.pp_plan.rank_coords`); `rank_engine_class`
 picks the class each rank runs (`parallel.tp.MegatronTpRank` for TP and DP, `parallel.lora_tp.
 MegatronLoraTpRank` for LoRA at TP, `parallel.pp.MegatronPpRank` for pipeline stages,
-`parallel.cp_rank.MegatronCpRank` for context parallelism).
+`parallel.cp_rank.MegatronCpRank` for context parallelism; MoE at tp > 1 runs the PP rank class
+as one stage).
 
 `MegatronRayGroup` keeps the single-engine contract of `engines.base.TrainerEngine` for the trainer
 actor that holds it (the actor itself holds no GPU: the ranks do): every call goes to every rank
@@ -41,7 +42,7 @@ from oneloop.backends.megatron_local.engines.base import (
     LoraSpec,
     TrainerEngine,
 )
-from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape
+from oneloop.backends.megatron_local.engines.megatron.layout import MOE_ATTENTION_TYPES, DenseShape
 from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
     check_pp,
     group_size,
@@ -66,7 +67,7 @@ def rank_bundles(
     strategy: str = "auto",
 ) -> tuple[list[dict[str, float]], str]:
     """The placement-group bundles (one per rank, in global-rank order) and the Ray strategy of a
-    megatron trainer with `parallel`'s sizes (dp · pp · cp · tp ranks; ep divides dp · cp).
+    megatron trainer with `parallel`'s sizes (dp · pp · cp · tp ranks; EP adds none).
 
     Each bundle is `{"GPU": gpus_per_rank, "CPU": cpus_per_rank}` (a zero entry left out; a CPU
     run has `gpus_per_rank=0`). `strategy` "auto": STRICT_PACK when the whole group fits one of
@@ -94,13 +95,15 @@ def rank_bundles(
     return bundles, "STRICT_PACK" if fits else "PACK"
 
 
-def rank_engine_class(parallel: MegatronParallel, lora_rank: int = 0) -> type:
-    """The engine class every rank of a group with these sizes runs (one place to extend)."""
+def rank_engine_class(parallel: MegatronParallel, lora_rank: int = 0, moe: bool = False) -> type:
+    """The engine class every rank of a group with these sizes runs (one place to extend); `moe`:
+    a MoE or hybrid model (at tp > 1 its sequence-parallel layers need the PP rank's grad
+    reductions and micro-batch handling, which also serve one stage)."""
     if parallel.cp > 1:  # tp × cp; refuses pp > 1 with the reason (parallel.cp_rank.check_cp)
         from oneloop.backends.megatron_local.engines.megatron.parallel.cp_rank import MegatronCpRank
 
         return MegatronCpRank
-    if parallel.pp > 1:
+    if parallel.pp > 1 or (moe and parallel.tp > 1):
         from oneloop.backends.megatron_local.engines.megatron.parallel.pp import MegatronPpRank
 
         return MegatronPpRank
@@ -144,7 +147,13 @@ class MegatronRankActor:
         return f"tcp://{host}:{free_port(host)}"
 
     def build(
-        self, world: int, address: str, build: dict, timeout_s: float, setup: Callable | None
+        self,
+        world: int,
+        address: str,
+        build: dict,
+        timeout_s: float,
+        setup: Callable | None,
+        moe: bool,
     ) -> bool:
         """Join the world as this rank and build its engine (every rank at once)."""
         if setup is not None:
@@ -159,7 +168,7 @@ class MegatronRankActor:
             rank=self.rank,
             timeout=timedelta(seconds=timeout_s),
         )
-        engine_class = rank_engine_class(build["parallel"], build["lora"].rank)
+        engine_class = rank_engine_class(build["parallel"], build["lora"].rank, moe)
         self.engine = engine_class(**build, rank=self.rank)
         return True
 
@@ -215,13 +224,8 @@ class MegatronRayGroup(TrainerEngine):
                 f"LoRA rank {lora.rank} with local.megatron pp={parallel.pp} cp={parallel.cp}: the "
                 "megatron engine's LoRA adapters are tensor-parallel only; use pp=1, cp=1 for LoRA"
             )
-        if parallel.dp > 1 and parallel.pp > 1:
-            raise CapabilityError(
-                f"local.megatron.dp={parallel.dp} with pp={parallel.pp}: data parallelism runs "
-                "with tp and cp here (the pipeline schedule's export and results assume one "
-                "replica); use pp=1 with dp > 1"
-            )
         shape = DenseShape.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        moe = shape.model_type in MOE_ATTENTION_TYPES or shape.hybrid
         check_tp(shape, parallel.tp)
         check_pp(shape.layers, parallel.pp)
         world = group_size(parallel.tp, parallel.pp, parallel.cp, parallel.dp)
@@ -285,10 +289,8 @@ class MegatronRayGroup(TrainerEngine):
             )
             self._check_blocks()
             address = ray.get(self._actors[0].world_address.remote(), timeout=timeout_s)
-            self._gather(
-                [a.build.remote(world, address, build, timeout_s, setup) for a in self._actors],
-                "build",
-            )
+            args = (world, address, build, timeout_s, setup, moe)
+            self._gather([a.build.remote(*args) for a in self._actors], "build")
         except BaseException:  # a rank that failed to build: no half-built group stays up
             self.close()
             raise

@@ -32,8 +32,9 @@ Checkpoints: a multimodal Qwen3.5 / 3.6 checkpoint stores its decoder under
 training; experts stored fused are split per expert) and `checkpoint_weights` writes the trained
 weights back under the same names (experts per expert, as transformers saves them).
 
-Limits, refused naming the field (`moe.check_engine_layout`): tp = pp = cp = 1 (the GDN tensors
-shard by section under TP, which `parallel.shard` does not map yet), no LoRA, no TE spec.
+Pipeline stages (`parallel.pp`): each stage builds its slice of the layer pattern (`block_spec`).
+Limits, refused naming the field (`moe.check_engine_layout`): tp = cp = 1 (the GDN tensors shard
+by section under TP, which `parallel.shard` does not map yet), no LoRA, no TE spec.
 """
 
 from typing import Any
@@ -64,13 +65,22 @@ def check_speed(fused_rope: bool) -> None:
 
 
 def transformer_fields(
-    shape: HybridShape | None, moe: MoeSettings, ep: int, *, cpu: bool
+    shape: HybridShape | None, moe: MoeSettings, parallel: Any, *, cpu: bool
 ) -> dict[str, Any]:
     """The `TransformerConfig` fields of a MoE and / or hybrid model's layers besides the
-    attention's (none for a dense model, `shape` None)."""
+    attention's (none for a dense model, `shape` None); `parallel`: the engine's
+    `MegatronParallel`. MoE at tp > 1: sequence parallelism (megatron-core trains MoE layers
+    under TP only with it) and each expert whole on its rank (expert TP 1: the experts map as at
+    tp = 1)."""
     out: dict[str, Any] = {}
     if shape is not None and shape.experts:
-        out.update(moe.transformer_config_kwargs(shape), expert_model_parallel_size=ep)
+        out.update(moe.transformer_config_kwargs(shape), expert_model_parallel_size=parallel.ep)
+        if parallel.tp > 1:
+            out.update(
+                sequence_parallel=True,
+                tensor_model_parallel_size=parallel.tp,  # what megatron-core's SP check reads
+                expert_tensor_parallel_size=1,
+            )
     if shape is not None and shape.model_type in HYBRID_MODEL_TYPES:
         out.update(_hybrid_fields(shape, cpu))
     return out
@@ -127,8 +137,26 @@ def training_kernel(model) -> str | None:
     )
 
 
-def block_spec(shape: HybridShape, core_attention, grouped_experts: bool):
-    """megatron-core `TransformerBlockSubmodules`: one local layer spec per `layer_types` entry."""
+def sequence_parallel_block(layer_spec, layers: int, qk_norm: bool):
+    """megatron-core's local GPT layer spec as a block of `layers` layers (a stage's) whose every
+    norm (pre-attention, pre-MLP, QK, final) is `ZeroCenteredRMSNorm` (plain RMSNorm when the
+    config does not ask zero-centred gamma): megatron-core's torch norm refuses sequence
+    parallelism, which MoE layers under TP need."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    norm = _norm_class()
+    layer = layer_spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = norm
+    if qk_norm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=norm)
+
+
+def block_spec(shape: HybridShape, core_attention, grouped_experts: bool, layers: range | None):
+    """megatron-core `TransformerBlockSubmodules`: one local layer spec per `layer_types` entry
+    of `layers` (a pipeline stage's; None: every layer). megatron-core builds a block spec's
+    layers as given and numbers them from the stage's offset, so the stage's slice is made here."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -179,7 +207,7 @@ def block_spec(shape: HybridShape, core_attention, grouped_experts: bool):
                 mlp_bda=get_bias_dropout_add,
             ),
         )
-        for kind in shape.layer_types
+        for kind in shape.layer_types[slice(layers.start, layers.stop) if layers else slice(None)]
     ]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
 

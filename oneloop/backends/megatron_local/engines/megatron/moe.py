@@ -338,27 +338,29 @@ def check_engine_layout(
     shape: HybridShape, *, tp: int, pp: int, cp: int, ep: int, dp: int, lora_rank: int
 ) -> None:
     """What the megatron engine builds for a MoE or hybrid model, else CapabilityError naming the
-    field: experts split by `ep` over the data-parallel ranks (ep divides dp), no TP / PP / CP
-    split of these models yet, no LoRA on their layers."""
+    field: pipeline stages (`parallel.pp`); tensor parallelism of Qwen3-MoE's attention with
+    sequence parallelism, each expert kept whole (expert TP 1); experts split by `ep` over the
+    ranks of each stage's tp · dp block (ep divides tp · dp); no TP of the Gated DeltaNet hybrids,
+    no CP, no LoRA on these layers."""
     from oneloop.errors import CapabilityError
 
     shape.check_ep(ep)
+    hybrid = shape.model_type in HYBRID_MODEL_TYPES
     refused = [
         (f"local.megatron.{name}={size}", why)
-        for name, size, why in (
-            ("tp", tp, "experts are split by ep, not tp; the Gated DeltaNet tensors' TP shards "
-             "are not mapped yet"),
-            ("pp", pp, "pipeline stages of MoE and hybrid layers are not built yet"),
-            ("cp", cp, "context parallelism runs the dense families' attention only"),
+        for name, size, why, applies in (
+            ("tp", tp, "the Gated DeltaNet tensors' TP shards are not mapped yet; split the "
+             "model with pp and ep instead", hybrid),
+            ("cp", cp, "context parallelism runs the dense families' attention only", True),
         )
-        if size > 1
+        if size > 1 and applies
     ]
     if lora_rank > 0:
         refused.append((f"model.lora_rank={lora_rank}", "LoRA adapters on MoE and hybrid layers "
                         "are not built on the megatron engine (the torch engine trains them)"))
-    if ep > 1 and dp % ep:
-        refused.append((f"local.megatron.ep={ep}", f"expert-parallel ranks are carved out of the "
-                        f"data-parallel ranks; dp={dp} is not a multiple of it"))
+    if ep > 1 and (tp * dp) % ep:
+        refused.append((f"local.megatron.ep={ep}", f"expert-parallel ranks are carved out of "
+                        f"each stage's tp · dp = {tp * dp} ranks; ep must divide it"))
     if refused:
         field, why = refused[0]
         raise CapabilityError(
@@ -409,24 +411,24 @@ def to_megatron_rank(
     return expert_shard(shape, mega, ep, parallel_state.get_expert_model_parallel_rank())
 
 
-def to_hf_gathered(
+def gather_experts(
     shape: HybridShape, params: dict[str, torch.Tensor], ep: int
 ) -> dict[str, torch.Tensor]:
-    """This EP rank's Megatron-layout weights → full HF weights: at ep > 1 the experts are
+    """This EP rank's Megatron-layout weights with every expert: at ep > 1 the experts are
     all-gathered over the expert-parallel group in one flat collective (every rank calls it)."""
-    if ep > 1:
-        from megatron.core import parallel_state
+    if ep == 1:
+        return params
+    from megatron.core import parallel_state
 
-        names = [n for n in params if expert_index(n) is not None]
-        mine = [params[n] for n in names]
-        flat = torch._utils._flatten_dense_tensors(mine)
-        every = [torch.empty_like(flat) for _ in range(ep)]
-        group = parallel_state.get_expert_model_parallel_group()
-        torch.distributed.all_gather(every, flat, group=group)
-        per_rank = [
-            dict(zip(names, torch._utils._unflatten_dense_tensors(f, mine), strict=True))
-            for f in every
-        ]
-        per_rank[0].update({n: t for n, t in params.items() if n not in per_rank[0]})
-        params = unshard_experts(shape, per_rank)
-    return megatron_to_hf(shape, params)
+    names = [n for n in params if expert_index(n) is not None]
+    mine = [params[n] for n in names]
+    flat = torch._utils._flatten_dense_tensors(mine)
+    every = [torch.empty_like(flat) for _ in range(ep)]
+    group = parallel_state.get_expert_model_parallel_group()
+    torch.distributed.all_gather(every, flat, group=group)
+    per_rank = [
+        dict(zip(names, torch._utils._unflatten_dense_tensors(f, mine), strict=True))
+        for f in every
+    ]
+    per_rank[0].update({n: t for n, t in params.items() if n not in per_rank[0]})
+    return unshard_experts(shape, per_rank)

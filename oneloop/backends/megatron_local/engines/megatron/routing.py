@@ -54,21 +54,40 @@ class MegatronRouterReplay:
     `forced` int64 [seq × rows, layers, k] (sequence-major) and, after the forward, `natural`
     (the routers' own choices, per layer) feed `replay_metrics`."""
 
-    def __init__(self, routers: list[torch.nn.Module], data: list[DatumArrays], seq: int) -> None:
+    def __init__(
+        self,
+        routers: list[torch.nn.Module],
+        data: list[DatumArrays],
+        seq: int,
+        stage: range | None = None,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
         if not routers:
             raise ValueError(
                 "routed_experts: routing replay needs a mixture-of-experts model; this model "
                 "has no MoE router (set algo.routing_replay: false)"
             )
         config = routers[0].config
-        layers, k, experts = len(routers), config.moe_router_topk, config.num_moe_experts
+        k, experts = config.moe_router_topk, config.num_moe_experts
+        # the records hold every MoE layer (each decoder layer of these families); a pipeline
+        # stage's routers are its `stage` slice of them
+        records = len(routers) if stage is None else config.num_layers
         for datum in data:
             if datum.routing is not None:
-                check_routing(datum.routing, len(datum.tokens), layers, k, experts)
-        by_row = forced_routing([d.routing for d in data], seq, layers, k)
+                check_routing(datum.routing, len(datum.tokens), records, k, experts)
+        by_row = forced_routing([d.routing for d in data], seq, records, k)
+        if stage is not None:
+            by_row = by_row[:, stage.start : stage.stop]
+        layers = len(routers)
+        if by_row.shape[1] != layers:
+            raise ValueError(f"routed_experts: {by_row.shape[1]} recorded MoE layers for this "
+                             f"stage's {layers} routers")  # fmt: skip
         self.forced = (
             by_row.reshape(len(data), seq, layers, k).transpose(0, 1).reshape(-1, layers, k)
         )
+        if shard is not None:  # sequence parallelism: this TP rank's slice of the positions
+            rank, size = shard
+            self.forced = self.forced.reshape(size, -1, layers, k)[rank]
         self.routers = routers
         self._layers = [_LayerReplay(self.forced[:, i]) for i in range(layers)]
 
@@ -87,19 +106,27 @@ class MegatronRouterReplay:
 
 
 def replay(
-    module: torch.nn.Module, data: list[DatumArrays], seq: int
+    module: torch.nn.Module,
+    data: list[DatumArrays],
+    seq: int,
+    stage: range | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> MegatronRouterReplay | None:
-    """The replay of one micro-batch (padded to `seq`), None when no datum carries routing."""
+    """The replay of one micro-batch (padded to `seq`), None when no datum carries routing.
+    `stage`: the decoder layers `module` holds (a pipeline stage's), None: every layer; `shard`:
+    (TP rank, tp) under sequence parallelism (each TP rank routes a contiguous slice of the
+    sequence-major tokens), None: every token."""
     if all(d.routing is None for d in data):
         return None
-    return MegatronRouterReplay(moe_routers(module), data, seq)
+    return MegatronRouterReplay(moe_routers(module), data, seq, stage, shard)
 
 
 def free_pass(data: list[DatumArrays]) -> bool:
     """Whether a `forward_backward` call's micro-batches each run the extra no-grad forward of
-    `replay_metrics` (routing and sampler logprobs). At ep > 1 every replica must know it: each
-    forward is an expert-parallel collective, so a call carries routing on every datum or on
-    none (ValueError otherwise)."""
+    `replay_metrics` (routing and sampler logprobs). At ep > 1 (and under pipeline stages) every
+    rank must know it: each forward is a collective of the expert-parallel group (a pipeline
+    schedule of its own), so a call carries routing on every datum or on none (ValueError
+    otherwise)."""
     with_routing = [d.routing is not None for d in data]
     if any(with_routing) and not all(with_routing):
         raise ValueError(

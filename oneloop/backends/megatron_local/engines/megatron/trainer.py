@@ -20,9 +20,10 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   distributed optimizer shards its state over them; PP > 1: `parallel.pp.MegatronPpRank` is
   each rank (one pipeline stage, Megatron's schedule); CP > 1: `parallel.cp_rank.MegatronCpRank`
   is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
-  EP > 1 (MoE, tp = pp = cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split
-  over the data-parallel ranks, tokens dispatched all-to-all; replicas with fewer micro-batches run
-  idle ones (one token, no loss), since each dispatch is a collective of the EP group. R3:
+  EP > 1 (MoE, cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split over the
+  tp · dp ranks of each stage, tokens dispatched all-to-all (MoE at tp > 1: sequence parallel,
+  experts whole, the PP rank class as one stage); replicas with fewer
+  micro-batches run idle ones (one token, no loss): each dispatch is an EP-group collective. R3:
   `megatron.routing` replays a datum's recorded experts.
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
   optional CPU offload). Megatron's default exempts norms and biases from weight decay; Tinker's
@@ -61,7 +62,9 @@ from oneloop.backends.megatron_local.engines.megatron import speed as megatron_s
 from oneloop.backends.megatron_local.engines.megatron.checkpoint import check_resumable
 from oneloop.backends.megatron_local.engines.megatron.data_parallel import (
     dp_shares,
-    merge_shares,
+    gather_shares,
+    microbatch_counts,
+    validate_everywhere,
 )
 from oneloop.backends.megatron_local.engines.megatron.layout import (
     MOE_ATTENTION_TYPES,
@@ -70,14 +73,9 @@ from oneloop.backends.megatron_local.engines.megatron.layout import (
     megatron_param_names,
     megatron_to_hf,
 )
-from oneloop.backends.megatron_local.engines.microbatch import (
-    pack_microbatches,
-    padded_arrays,
-    run_microbatches,
-)
+from oneloop.backends.megatron_local.engines.megatron.world import init_distributed
+from oneloop.backends.megatron_local.engines.microbatch import padded_arrays, run_microbatches
 from oneloop.backends.megatron_local.engines.torch.routing import replay_metrics
-from oneloop.backends.megatron_local.ports import free_port
-from oneloop.errors import CapabilityError
 
 WEIGHTS_FILE = "model.safetensors"  # HF names: a checkpoint is also a loadable HF model
 OPTIMIZER_FILE = "optimizer.pt"
@@ -104,35 +102,6 @@ def _te_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def init_distributed(parallel: MegatronParallel, device: torch.device) -> None:
-    if parallel.ep > 1 and (parallel.dp * parallel.cp) % parallel.ep:
-        raise CapabilityError(
-            f"local.megatron.ep={parallel.ep}: expert parallelism (MoE models) splits the experts "
-            f"over data-parallel ranks, and dp={parallel.dp} is not a multiple of it"
-        )
-    dist = torch.distributed
-    world = parallel.tp * parallel.pp * parallel.cp * parallel.dp
-    if world > 1 and not (dist.is_initialized() and dist.get_world_size() == world):
-        raise CapabilityError(  # megatron.group.MegatronRayGroup starts the ranks first
-            f"local.megatron dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} cp={parallel.cp}: "
-            "the ranks are started by megatron.group.MegatronRayGroup"
-        )
-    from megatron.core import parallel_state
-
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            parallel.tp,
-            parallel.pp,
-            context_parallel_size=parallel.cp,
-            expert_model_parallel_size=parallel.ep,
-        )
 
 
 def _te_name(name: str) -> str:
@@ -166,6 +135,7 @@ class MegatronTrainerEngine(TrainerEngine):
     """See the module docstring."""
 
     global_rank = 0  # rank in the trainer's group (the group rank classes set theirs)
+    layers: range | None = None  # the decoder layers this rank builds (PP: its stage's), None: all
 
     def __init__(
         self,
@@ -198,7 +168,8 @@ class MegatronTrainerEngine(TrainerEngine):
             megatron_moe.check_engine_layout(
                 self.moe, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, lora_rank=lora.rank
             )
-        init_distributed(self.parallel, self.device)
+        experts = self.moe is not None and self.moe.experts > 0
+        init_distributed(self.parallel, self.device, expert_tp=1 if experts else None)
         if self.device.type == "cuda":
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -257,7 +228,7 @@ class MegatronTrainerEngine(TrainerEngine):
             # DP: Megatron's DDP sums the replicas' gradients instead of averaging (Tinker's sums)
             calculate_per_token_loss=self.parallel.dp > 1,
             **hybrid.transformer_fields(
-                self.moe, self.moe_settings, self.parallel.ep, cpu=self.device.type == "cpu"
+                self.moe, self.moe_settings, self.parallel, cpu=self.device.type == "cpu"
             ),
         )
 
@@ -270,7 +241,8 @@ class MegatronTrainerEngine(TrainerEngine):
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm)
         elif self.shape.hybrid:
             hybrid.check_speed(self.speed.fused_rope)
-            spec = hybrid.block_spec(self.moe, self._core_attention(), self.speed.grouped_experts)
+            attention, grouped = self._core_attention(), self.speed.grouped_experts
+            spec = hybrid.block_spec(self.moe, attention, grouped, layers=self.layers)
         else:
             spec = specs.get_gpt_layer_local_spec(
                 num_experts=self.moe.experts if self.moe else None,
@@ -281,6 +253,9 @@ class MegatronTrainerEngine(TrainerEngine):
             spec.submodules.self_attention.submodules.core_attention = self._core_attention()
             if self.moe is not None and self.speed.grouped_experts:
                 grouped_experts.use_grouped_experts(spec)
+            if self.config.sequence_parallel:  # MoE at tp > 1: norms that take a sequence slice
+                count = len(self.layers or range(self.shape.layers))
+                spec = hybrid.sequence_parallel_block(spec, count, self.shape.qk_norm)
         model = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -328,10 +303,20 @@ class MegatronTrainerEngine(TrainerEngine):
 
     def _to_hf(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's Megatron-layout weights → full HF weights (MoE at EP > 1: a collective)."""
+        return self._full_to_hf(self._with_all_experts(params))
+
+    def _with_all_experts(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """MoE: per-expert names and every expert (EP > 1: all-gathered, a collective)."""
         if self.moe is None:
-            return megatron_to_hf(self.shape, params)
-        params = grouped_experts.unstack(params)  # per-expert names either way
-        hf = megatron_moe.to_hf_gathered(self.moe, params, self.parallel.ep)
+            return params
+        unstacked = grouped_experts.unstack(params)  # per-expert names either way
+        return megatron_moe.gather_experts(self.moe, unstacked, self.parallel.ep)
+
+    def _full_to_hf(self, mega: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Megatron-layout weights of every layer and expert → the checkpoint's HF names."""
+        if self.moe is None:
+            return megatron_to_hf(self.shape, mega)
+        hf = megatron_moe.megatron_to_hf(self.moe, mega)
         return hybrid.checkpoint_weights(hf, self.composite)
 
     def _import_hf(self, hf: dict[str, torch.Tensor]) -> None:
@@ -415,11 +400,7 @@ class MegatronTrainerEngine(TrainerEngine):
                 self.max_tokens_per_microbatch,
                 lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
             )
-        # DP: every datum checked on every rank first (a lone failing replica would leave the
-        # others waiting in the gather below), then this replica's share, then the whole call's.
-        for index, datum in enumerate(data):
-            inputs = {"target_tokens": datum.targets, **datum.inputs}
-            losses.validate_datum_inputs(loss_fn, len(datum.tokens), inputs, index)
+        validate_everywhere(loss_fn, data)  # DP: this replica's share, then the whole call's
         from megatron.core import parallel_state
 
         shares = dp_shares([len(d.tokens) for d in data], self.parallel.dp)
@@ -430,21 +411,16 @@ class MegatronTrainerEngine(TrainerEngine):
             lambda batch: self._microbatch(batch, loss_fn, config, forward_only),
         )
         if self.parallel.ep > 1:  # each micro-batch's token dispatch is an EP-group collective
-            lengths = [[len(data[i].tokens) for i in share] for share in shares]
-            counts = [len(pack_microbatches(n, self.max_tokens_per_microbatch)) for n in lengths]
+            counts = microbatch_counts(data, shares, self.max_tokens_per_microbatch)
             passes = 1 + megatron_routing.free_pass(data)  # R3's extra forward: a dispatch too
             for _ in range(max(counts) - counts[parallel_state.get_data_parallel_rank()]):
                 self._idle_microbatch(forward_only, passes)
-        every: list = [None] * self.parallel.dp
-        torch.distributed.all_gather_object(
-            every, mine, group=parallel_state.get_data_parallel_group()
-        )
-        return merge_shares(every, shares, len(data))
+        return gather_shares(mine, shares, len(data))
 
     def _batch_tensors(self, data: list[DatumArrays]) -> tuple[torch.Tensor, ...]:
         """tokens, targets, mask [rows, T] (right-padded), loss inputs {key: [rows, T]} and
-        positions of one micro-batch, on the engine's device."""
-        batch, seq = len(data), max(len(d.tokens) for d in data)
+        positions of one micro-batch, on the engine's device (T: `_padded_length`)."""
+        batch, seq = len(data), self._padded_length(max(len(d.tokens) for d in data))
         tokens, targets, mask, inputs = padded_arrays(data, seq)
         dev = self.device
         tokens_t = torch.from_numpy(tokens).to(dev, non_blocking=True)
@@ -453,6 +429,9 @@ class MegatronTrainerEngine(TrainerEngine):
         inputs_t = {k: torch.from_numpy(v).to(dev, non_blocking=True) for k, v in inputs.items()}
         positions = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
         return tokens_t, targets_t, mask_t, inputs_t, positions
+
+    def _padded_length(self, longest: int) -> int:  # sequence parallelism: parallel.pp
+        return longest
 
     def _microbatch(
         self, data: list[DatumArrays], loss_fn: str, config: dict[str, float], forward_only: bool

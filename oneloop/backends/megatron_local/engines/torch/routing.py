@@ -148,20 +148,38 @@ def replay_metrics(
     in `forced`'s token order) differed; with sampler logprobs in `inputs`, their count and the
     |trainer − sampler| gap with replay (`target_lp`) and without (`free_logprobs()`, one extra
     no-grad forward)."""
+    metrics = routing_counts(forced, natural)
+    if "logprobs" in inputs:
+        with torch.no_grad():
+            free = free_logprobs()
+        metrics.update(sampler_gaps(inputs, mask, target_lp))
+        metrics.update(sampler_gaps(inputs, mask, free, key="routing/gap_free:sum"))
+    return metrics
+
+
+def routing_counts(forced: torch.Tensor, natural: list[torch.Tensor]) -> dict[str, float]:
+    """Position × MoE-layer pairs replayed (`forced` [tokens, layers, k], −1 = free) and those
+    whose own expert set (`natural[layer]`) differed from the replayed one."""
     replayed = forced[:, :, 0] >= 0  # [tokens, layers]
     own = torch.stack(natural, dim=1).cpu().sort(dim=-1).values
     differ = (own != forced.sort(dim=-1).values).any(dim=-1) & replayed
-    metrics = {
+    return {
         "routing/positions:sum": float(replayed.sum()),
         "routing/differ:sum": float(differ.sum()),
     }
-    if "logprobs" in inputs:
-        sampled = mask & (inputs["logprobs"] != 0)
-        with torch.no_grad():
-            free = free_logprobs()
-        sampler = inputs["logprobs"]
-        metrics["routing/gap_tokens:sum"] = float(sampled.sum())
-        gap = (target_lp.detach() - sampler).abs() * sampled
-        metrics["routing/gap_replay:sum"] = float(gap.sum())
-        metrics["routing/gap_free:sum"] = float(((free - sampler).abs() * sampled).sum())
-    return metrics
+
+
+def sampler_gaps(
+    inputs: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    target_lp: torch.Tensor,
+    key: str = "routing/gap_replay:sum",
+) -> dict[str, float]:
+    """Σ |trainer − sampler| logprob over the sampled tokens (sampler logprob ≠ 0) under `key`;
+    with the replay's key also their count (`routing/gap_tokens:sum`)."""
+    sampled = mask & (inputs["logprobs"] != 0)
+    gap = (target_lp.detach() - inputs["logprobs"]).abs() * sampled
+    out = {key: float(gap.sum())}
+    if key == "routing/gap_replay:sum":
+        out["routing/gap_tokens:sum"] = float(sampled.sum())
+    return out

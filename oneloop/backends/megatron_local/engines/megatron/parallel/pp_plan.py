@@ -128,7 +128,7 @@ def stage_parts(
                 out[name] = tensor
         elif last:  # decoder.final_layernorm, output_layer
             out[name] = tensor
-    if last and tied:
+    if last and tied and not first:  # one stage (pp = 1) holds the embedding itself only
         out["output_layer.weight"] = mega["embedding.word_embeddings.weight"]
     return out
 
