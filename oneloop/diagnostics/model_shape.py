@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import StrEnum
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,15 @@ DTYPE_BYTES = {
     "fp8_e5m2": 1,
     "float8_e4m3fn": 1,
 }
+GIB = 2**30
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v, 4 B each
+
+
+def gib_text(n_bytes: int | Fraction) -> str:
+    """Bytes as the reports print them: `12.34 GiB`."""
+    return f"{float(n_bytes) / GIB:,.2f} GiB"
+
+
 # Qwen3-Next's full-attention layers gate their output with a second q-sized projection; Qwen3.5
 # configs state it as `attn_output_gate`.
 GATED_ATTENTION_MODEL_TYPES = frozenset({"qwen3_next"})

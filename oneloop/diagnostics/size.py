@@ -41,6 +41,8 @@ from typing import Any
 
 from oneloop.diagnostics.model_shape import (
     DTYPE_BYTES,
+    GIB,
+    OPTIMIZER_BYTES_PER_PARAM,
     Attention,
     ModelShape,
     SizeInputError,
@@ -48,11 +50,10 @@ from oneloop.diagnostics.model_shape import (
     lora_param_lines,
     param_count,
 )
+from oneloop.diagnostics.model_shape import gib_text as _gib
 from oneloop.diagnostics.split import SplitInputs, compute_split, engines_on
 from oneloop.diagnostics.trainer_memory import layout_memory, parse_layout
 
-GIB = 2**30
-OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v, 4 B each
 DEFAULT_GPU_UTILIZATION = "0.9"  # vLLM's default gpu_memory_utilization
 EXIT_BAD_INPUT = 2
 
@@ -75,10 +76,6 @@ class SizeInputs:
     trainer_gpus: int
     grad_dtype: str
     trainer_layout: dict[str, int] | None = None  # `--trainer-layout` (tp, pp, cp, ep)
-
-
-def _gib(n_bytes: int | Fraction) -> str:
-    return f"{float(n_bytes) / GIB:,.2f} GiB"
 
 
 def _frac(value: Fraction) -> str:

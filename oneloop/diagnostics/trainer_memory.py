@@ -19,11 +19,16 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from oneloop.diagnostics.model_shape import DTYPE_BYTES, ModelShape, ParamCount, SizeInputError
+from oneloop.diagnostics.model_shape import (
+    DTYPE_BYTES,
+    OPTIMIZER_BYTES_PER_PARAM,
+    ModelShape,
+    ParamCount,
+    SizeInputError,
+)
+from oneloop.diagnostics.model_shape import gib_text as _gib
 
-OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v, 4 B each
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep")
-GIB = 2**30
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -102,7 +107,3 @@ def layout_memory(
     )
     lines.append(f"trainer state on the busiest GPU = {_gib(total)}")
     return {"layout": {**layout, "dp": dp, "expert_dp": edp}, "bytes_per_gpu": int(total)}
-
-
-def _gib(n_bytes: int | Fraction) -> str:
-    return f"{float(n_bytes) / GIB:,.2f} GiB"

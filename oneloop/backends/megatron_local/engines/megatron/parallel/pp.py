@@ -201,7 +201,7 @@ class MegatronPpRank(MegatronTrainerEngine):
             results = iter(done)
             result = run_microbatches(mine, budget, lambda _: next(results))
         if any(r is not None for r in replays) or free:
-            result = self._routing_figures(result, groups, total, done, counts, free)
+            result = self._routing_figures(result, groups, total, counts, free)
         box = [result]
         _, pp_group = self._groups()
         last = torch.distributed.get_global_rank(pp_group, self.pp - 1)
@@ -266,7 +266,7 @@ class MegatronPpRank(MegatronTrainerEngine):
             )
         return done
 
-    def _routing_figures(self, result, groups, total, done, counts, free):
+    def _routing_figures(self, result, groups, total, counts, free):
         """R3's `routing/...` figures on the last stage's result: every stage's (and sequence
         shard's) replayed and differing pairs summed over the model-parallel group, and with
         `free` the gap without replay from a second, forward-only run of the schedule without
@@ -274,9 +274,8 @@ class MegatronPpRank(MegatronTrainerEngine):
         from megatron.core import parallel_state as ps
 
         keys = ("routing/positions:sum", "routing/differ:sum")
+        # MoE at tp > 1 is sequence parallel: each TP rank counted its own positions
         summed = torch.tensor([counts.get(k, 0.0) for k in keys], dtype=torch.float64)
-        if not self.config.sequence_parallel:  # each TP rank saw every token: count one
-            summed *= float(self.coords.tp_rank == 0)
         torch.distributed.all_reduce(summed, group=ps.get_model_parallel_group())
         gaps = []
         if free:
