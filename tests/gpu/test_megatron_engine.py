@@ -3,8 +3,14 @@ shape, bf16): forward_backward loss and target logprobs, and weights after one o
 for LoRA (same adapter init in both; adapter after one step; merged sampler weights), and
 save/load of both kinds of run.
 
+Each check runs on both forms of a one-rank megatron trainer (`KINDS`): the one-process engine
+(`MegatronTrainerEngine` in the test process, what the product builds at one rank) and the
+Ray-placed group at dp = tp = pp = 1 (`MegatronRayGroup`: one rank actor in a placement group,
+sharing the GPU; issue 18: the megatron engine tests pass on it with the same figures).
+
 Device only (`pytest -m gpu tests/gpu/test_megatron_engine.py`). Figures → $OUT/megatron_parity.json
-and $OUT/megatron_lora_parity.json.
+and $OUT/megatron_lora_parity.json (one process), $OUT/megatron_parity_ray_group.json and
+$OUT/megatron_lora_parity_ray_group.json (the group).
 """
 
 import numpy as np
@@ -21,34 +27,85 @@ from oneloop.backends.megatron_local.engines.base import LoraSpec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
+# The one-process engine, and the Ray-placed group of one rank (dp = tp = pp = 1).
+KINDS = ("one_process", "ray_group")
+
+
+def figures_name(base: str, kind: str) -> str:
+    """The figures file of `kind`: the one-process names as before, the group's suffixed."""
+    return base if kind == "one_process" else f"{base}_{kind}"
+
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return model_dir(tmp_path_factory.mktemp("model"))
 
 
-def megatron_engine(path, spec: str):
+@pytest.fixture(scope="module")
+def ray_gpu():
+    """A local Ray cluster with this machine's GPU, for the group's rank actor (one GPU)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_gpus=1, include_dashboard=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def ray_group(path, lora: LoraSpec, **kwargs):
+    """The megatron trainer as a Ray-placed group of one rank (`ray_gpu` started first)."""
+    from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
+    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
+
+    group = MegatronRayGroup(
+        path, lora, dtype="bfloat16", device="cuda", parallel=MegatronParallel(), **kwargs
+    )
+    assert group.world == 1
+    return group
+
+
+def megatron_engine(path, spec: str, kind: str = "one_process"):
     from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     speed = MegatronSpeed(layer_spec=spec)
+    if kind == "ray_group":
+        import ray
+
+        group = ray_group(path, LoraSpec(0), speed=speed)
+        te = ray.get(group._actors[0].attribute.remote("te"), timeout=60)
+        assert te is (spec == "te"), te
+        return group
     engine = MegatronTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda", speed=speed)
     te_modules = {type(m).__name__ for m in engine.module.modules() if type(m).__name__[:2] == "TE"}
     assert engine.te is (spec == "te") and bool(te_modules) is (spec == "te"), te_modules
     return engine
 
 
-@pytest.fixture(scope="module", params=layer_specs())
+@pytest.fixture(
+    scope="module",
+    params=[(spec, kind) for spec in layer_specs() for kind in KINDS],
+    ids=lambda param: "-".join(param),
+)
 def engines(request, path):
     from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
+    spec, kind = request.param
+    if kind == "ray_group":
+        request.getfixturevalue("ray_gpu")
     ref = TorchTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
-    return megatron_engine(path, request.param), ref, request.param
+    mega = megatron_engine(path, spec, kind)
+    yield mega, ref, spec, kind
+    if kind == "ray_group":
+        mega.close()
 
 
 def test_megatron_matches_torch_engine(engines) -> None:
-    mega, ref, spec = engines
-    before = {k: v.float().clone() for k, v in mega.hf_weights().items()}
+    mega, ref, spec, kind = engines
+    # on the GPU, like the torch engine's weights (the group returns host tensors)
+    before = {k: v.float().to("cuda").clone() for k, v in mega.hf_weights().items()}
     figures: dict = {}
     for loss in ("cross_entropy", "importance_sampling"):
         data = batch(1, loss)
@@ -67,7 +124,7 @@ def test_megatron_matches_torch_engine(engines) -> None:
         assert figures[loss]["loss_abs_diff_per_token"] < 0.01
         assert figures[loss]["logprob_abs_diff_mean"] < 0.02
     step_m, step_t = mega.optim_step(ADAM), ref.optim_step(ADAM)
-    after_m = {k: v.float() for k, v in mega.hf_weights().items()}
+    after_m = {k: v.float().to("cuda") for k, v in mega.hf_weights().items()}
     after_t = {k: v.float() for k, v in ref.model.state_dict().items() if k in after_m}
     diffs = torch.cat([(after_m[k] - after_t[k]).abs().flatten() for k in after_t])
     upd_m = torch.cat([(after_m[k] - before[k]).flatten() for k in after_t])
@@ -81,7 +138,8 @@ def test_megatron_matches_torch_engine(engines) -> None:
         "update_cosine": cosine,
         "update_abs_mean_megatron": float(upd_m.abs().mean()),
     }
-    record("megatron_parity" if spec == "local" else f"megatron_parity_{spec}", figures)
+    base = "megatron_parity" if spec == "local" else f"megatron_parity_{spec}"
+    record(figures_name(base, kind), figures)
     # One AdamW step moves each weight by about lr; bf16 rounding of the two paths differs by ulps.
     assert cosine > 0.9
     assert figures["optim_step"]["weight_abs_diff_mean"] < ADAM["learning_rate"]
@@ -91,7 +149,7 @@ def test_megatron_matches_torch_engine(engines) -> None:
 
 
 def test_save_and_load_state_restores_weights_and_optimizer(engines, tmp_path) -> None:
-    mega, _, _ = engines
+    mega = engines[0]
     data = batch(2, "cross_entropy")
     mega.forward_backward(batch(3, "cross_entropy"), "cross_entropy", None, forward_only=False)
     mega.optim_step(ADAM)  # the checkpoint then carries Adam moments and fp32 main params
@@ -156,8 +214,8 @@ def _flat(adapter, names) -> torch.Tensor:
     return torch.cat([torch.from_numpy(adapter.tensors[k]).flatten() for k in names])
 
 
-@pytest.fixture(scope="module")
-def lora_engines(tmp_path_factory):
+@pytest.fixture(scope="module", params=KINDS)
+def lora_engines(request, tmp_path_factory):
     """Megatron and torch LoRA engines on the same random Qwen3 with the same adapter: the torch
     engine's A (B = 0 in both) enters the megatron engine through its LoRA checkpoint path."""
     from oneloop.backends.megatron_local.engines.megatron.trainer import (
@@ -166,13 +224,20 @@ def lora_engines(tmp_path_factory):
     )
     from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
+    kind = request.param
     path = model_dir(tmp_path_factory.mktemp("lora-model"))
     ref = TorchTrainerEngine(path, LORA, dtype="bfloat16", device="cuda")
-    mega = MegatronTrainerEngine(path, LORA, dtype="bfloat16", device="cuda")
+    if kind == "ray_group":
+        request.getfixturevalue("ray_gpu")
+        mega = ray_group(path, LORA)
+    else:
+        mega = MegatronTrainerEngine(path, LORA, dtype="bfloat16", device="cuda")
     start = ref.adapter().write_peft(tmp_path_factory.mktemp("lora-start"), str(path))
     (start / ENGINE_STATE_FILE).write_text('{"steps": 0}')
     mega.load_state(start, with_optimizer=False)
-    return mega, ref, path
+    yield mega, ref, path, kind
+    if kind == "ray_group":
+        mega.close()
 
 
 def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
@@ -182,7 +247,7 @@ def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
         untie_embeddings,
     )
 
-    mega, ref, path = lora_engines
+    mega, ref, path, kind = lora_engines
     start = ref.adapter()
     names = sorted(start.tensors)
     assert mega.adapter().target_modules == start.target_modules
@@ -239,7 +304,7 @@ def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
         "merged_hf_logprob_abs_diff_mean": float(merged_gap.mean()),
         "merged_hf_logprob_abs_diff_max": float(merged_gap.max()),
     }
-    record("megatron_lora_parity", figures)
+    record(figures_name("megatron_lora_parity", kind), figures)
     step = figures["optim_step"]
     assert (
         abs(step["grad_norm_megatron"] - step["grad_norm_torch"]) < 0.05 * step["grad_norm_torch"]

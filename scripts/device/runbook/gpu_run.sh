@@ -7,6 +7,16 @@
 #   setup2    carry [".w2"]          vLLM (repacked, no flash-attn .so) + its missing deps
 #   setup3    carry [".w3", ".w4"]   Ray; tinker SDK + deps; random Qwen3 0.6B / 1.7B shapes
 #   setup_moe carry [".w5"]          optional: vLLM's MoE kernels (scripts/device/packers/prepare_moe_part.sh)
+#   setup_lite carry [".wmr"]        instead of setup1-3 when no vLLM is needed (megatron engine tests,
+#                                    groups, benches): megatron-core, Ray, tinker and the deps of the
+#                                    three the image lacks (the .w2/.w3/.w4 wheels of those, one
+#                                    folder of 52 MB); random Qwen3 0.6B (MODELS=...). setup1, setup2
+#                                    (and setup_moe) can follow it for vLLM: 4 calls for everything
+#   megatron_group                   after setup_lite (or 1-3): the Ray-placed megatron group of one
+#                                    rank vs the one-process engine, step time on the 1.7B shape
+#                                    (benchmarks/gpu_megatron_group.py, GROUP_ARGS), then the megatron
+#                                    engine tests on the group (ENGINE_K="ray_group"; "" runs both
+#                                    kinds, "one_process" the one-process engine's)
 #   setup_project carry [".wpN"]     oneloop's own locked dependencies the image lacks (Harbor, MCP,
 #                                    LiteLLM, ...), one folder per call: PART=1, PART=2, ...
 #                                    (scripts/device/packers/prepare_project_parts.py builds them)
@@ -71,7 +81,7 @@ export OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT" /tmp/site /tmp/w /tmp/models
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@"; }
 pytest_gpu() { python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -q -rA "$@"; }
-if [ "$stage" != setup1 ] && [ "$stage" != setup2 ] && [ ! -d /tmp/site/megatron ]; then
+if [[ ! "$stage" =~ ^(setup1|setup2|setup_lite)$ ]] && [ ! -d /tmp/site/megatron ]; then
   echo "machine lost (no /tmp/site/megatron): start again at setup1" >&2; exit 3
 fi
 case "$stage" in
@@ -91,6 +101,23 @@ case "$stage" in
       python3 scripts/device/runbook/build_random_qwen3.py --shape "$shape" --out "/tmp/models/qwen3-$shape"
     done
     python3 -c "import ray, tinker, megatron.core; print('ray', ray.__version__, 'tinker', tinker.__version__)" ;;
+  setup_lite)   # carry [".wmr"]: megatron-core, Ray, tinker + their missing deps, no vLLM
+    pip_target .wmr/*.whl
+    for shape in ${MODELS-0.6b}; do
+      python3 scripts/device/runbook/build_random_qwen3.py --shape "$shape" --out "/tmp/models/qwen3-$shape"
+    done
+    python3 -c "import ray, tinker, megatron.core; print('ray', ray.__version__, 'tinker', tinker.__version__)" 2>&1 | tail -1
+    nvidia-smi --query-gpu=name,memory.total --format=csv ;;
+  megatron_group)   # issue 18 at DP = 1: bench, then the engine tests on the group (streamed: -s)
+    # shellcheck disable=SC2086
+    timeout "${GROUP_BENCH_S:-240}" python3 benchmarks/gpu_megatron_group.py --model-dir /tmp/models \
+      ${GROUP_ARGS:-} > "$OUT/megatron_group_bench.log" 2>&1 || tail -40 "$OUT/megatron_group_bench.log"
+    grep '^RESULT' "$OUT/megatron_group_bench.log" | grep -v '^RESULT {'
+    ONELOOP_GPU_MODEL_DIR=/tmp/models/qwen3-0.6b timeout "${GROUP_TESTS_S:-300}" pytest_gpu -s \
+      tests/gpu/test_megatron_engine.py -k "${ENGINE_K-ray_group}" > "$OUT/megatron_group_tests.log" 2>&1
+    echo "tests rc=$?"
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FIGURES" "$OUT/megatron_group_tests.log" | tail -20
+    tail -30 "$OUT/megatron_group_tests.log" ;;
   setup_moe)   # carry [".w5"] (scripts/device/packers/prepare_moe_part.sh): vLLM's MoE kernels
     xz -dc .w5/_moe_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
     python3 -c "import vllm._moe_C_stable_libtorch" 2>&1 | tail -1 ;;
