@@ -43,38 +43,48 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_gpu():
-    """A local Ray cluster with this machine's GPU, for the group's rank actor (one GPU)."""
+    """A local Ray cluster with this machine's GPU, for the group's rank actor (one GPU); yields
+    the groups built on it (`ray_group`)."""
     import ray
 
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_gpus=1, include_dashboard=False)
-    yield
+    groups: list = []
+    yield groups
+    for group in groups:
+        group.close()
     if started:
         ray.shutdown()
 
 
-def ray_group(path, lora: LoraSpec, **kwargs):
-    """The megatron trainer as a Ray-placed group of one rank (`ray_gpu` started first)."""
+def ray_group(groups: list, path, lora: LoraSpec, **kwargs):
+    """The megatron trainer as a Ray-placed group of one rank, on `ray_gpu`'s cluster. The groups
+    built before are closed first: each holds the one GPU, and a module-scoped fixture's last
+    group lives until the module ends (the LoRA group waited for its GPU forever, on the H200)."""
     from oneloop.backends.megatron_local.engines.megatron.group import MegatronRayGroup
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 
+    while groups:
+        groups.pop().close()
     group = MegatronRayGroup(
         path, lora, dtype="bfloat16", device="cuda", parallel=MegatronParallel(), **kwargs
     )
+    groups.append(group)
     assert group.world == 1
     return group
 
 
-def megatron_engine(path, spec: str, kind: str = "one_process"):
+def megatron_engine(path, spec: str, groups: list | None = None):
+    """The one-process engine, or with `groups` (`ray_gpu`) the Ray-placed group of one rank."""
     from oneloop.backends.megatron_local.engines.megatron.speed import MegatronSpeed
     from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
 
     speed = MegatronSpeed(layer_spec=spec)
-    if kind == "ray_group":
+    if groups is not None:
         import ray
 
-        group = ray_group(path, LoraSpec(0), speed=speed)
+        group = ray_group(groups, path, LoraSpec(0), speed=speed)
         te = ray.get(group._actors[0].attribute.remote("te"), timeout=60)
         assert te is (spec == "te"), te
         return group
@@ -93,13 +103,9 @@ def engines(request, path):
     from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
     spec, kind = request.param
-    if kind == "ray_group":
-        request.getfixturevalue("ray_gpu")
+    groups = request.getfixturevalue("ray_gpu") if kind == "ray_group" else None
     ref = TorchTrainerEngine(path, LoraSpec(0), dtype="bfloat16", device="cuda")
-    mega = megatron_engine(path, spec, kind)
-    yield mega, ref, spec, kind
-    if kind == "ray_group":
-        mega.close()
+    return megatron_engine(path, spec, groups), ref, spec, kind
 
 
 def test_megatron_matches_torch_engine(engines) -> None:
@@ -228,16 +234,13 @@ def lora_engines(request, tmp_path_factory):
     path = model_dir(tmp_path_factory.mktemp("lora-model"))
     ref = TorchTrainerEngine(path, LORA, dtype="bfloat16", device="cuda")
     if kind == "ray_group":
-        request.getfixturevalue("ray_gpu")
-        mega = ray_group(path, LORA)
+        mega = ray_group(request.getfixturevalue("ray_gpu"), path, LORA)
     else:
         mega = MegatronTrainerEngine(path, LORA, dtype="bfloat16", device="cuda")
     start = ref.adapter().write_peft(tmp_path_factory.mktemp("lora-start"), str(path))
     (start / ENGINE_STATE_FILE).write_text('{"steps": 0}')
     mega.load_state(start, with_optimizer=False)
-    yield mega, ref, path, kind
-    if kind == "ray_group":
-        mega.close()
+    return mega, ref, path, kind
 
 
 def test_megatron_lora_matches_torch_lora(lora_engines) -> None:
