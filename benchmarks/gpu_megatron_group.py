@@ -11,13 +11,18 @@ one GPU (issue 18: the Ray-placed group's step-time overhead at DP = 1, goal ray
 
 Same random Qwen3 (default the 1.7 B shape of benchmarks/gpu_train.py), bf16, same datums, same
 micro-batch budget; each step a forward_backward (cross_entropy) and an optim_step (AdamW). Both
-engines are built side by side (the rank actor shares this GPU) and stepped in turn, one step of
-each, after `--warmup` steps each, so drift in clocks or allocator state hits both alike. Per
-workload (`--workloads`, BATCHxSEQ tokens) prints RESULT lines: median step seconds of each, the
-ratio ray / one-process and the difference in ms; writes $OUT/gpu_megatron_group.json when OUT is
-set.
+engines are built side by side (the rank actor shares this GPU) and stepped in blocks, `--block`
+steps of one engine back to back, then of the other (order swapped every round, `--rounds`), after
+`--warmup` steps each, so drift in clocks or allocator state hits both alike. A block's first step
+is not timed: a group call returns once rank 0's results are on the host, and work the rank queued
+after them (the end of the optimizer step) runs on into whatever comes next, which this process
+cannot synchronise; back to back, each timed step carries one such tail, as in a training run.
+(Alternating single steps let one engine's tail land in the other's timed step: the first two
+device runs gave ray / one-process 1.020 and 0.967.) Per workload (`--workloads`, BATCHxSEQ
+tokens) prints RESULT lines: median step seconds of each, the ratio ray / one-process and the
+difference in ms; writes $OUT/gpu_megatron_group.json when OUT is set.
 
-    python3 benchmarks/gpu_megatron_group.py [--shape 1.7b] [--workloads 4x4096,8x512] [--steps 15]
+    python3 benchmarks/gpu_megatron_group.py [--shape 1.7b] [--workloads 4x4096,8x512] [--rounds 4]
 """
 
 import argparse
@@ -50,15 +55,20 @@ def step_seconds(engine, data: list) -> float:
     return time.perf_counter() - start
 
 
-def compare(engines: dict, data: list, steps: int, warmup: int) -> dict[str, list[float]]:
-    """Each engine's step times over `steps` rounds (one step of each engine per round, in turn),
-    after `warmup` rounds not timed."""
+def compare(
+    engines: dict, data: list, rounds: int, block: int, warmup: int
+) -> dict[str, list[float]]:
+    """Each engine's step times: `warmup` untimed steps each, then `rounds` rounds of one block per
+    engine (the order swapped every round), a block one untimed step and `block` timed ones."""
+    for engine in engines.values():
+        for _ in range(warmup):
+            step_seconds(engine, data)
     times: dict[str, list[float]] = {name: [] for name in engines}
-    for i in range(warmup + steps):
-        for name, engine in engines.items():
-            seconds = step_seconds(engine, data)
-            if i >= warmup:
-                times[name].append(seconds)
+    names = list(engines)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            step_seconds(engines[name], data)  # absorbs the tail of the other engine's last step
+            times[name] += [step_seconds(engines[name], data) for _ in range(block)]
     return times
 
 
@@ -82,7 +92,8 @@ def main() -> None:
     parser.add_argument(
         "--workloads", default="4x4096,8x512", help="comma-separated BATCHxSEQ per step"
     )
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per engine")
+    parser.add_argument("--rounds", type=int, default=4, help="blocks per engine")
+    parser.add_argument("--block", type=int, default=4, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first")
     parser.add_argument("--microbatch-tokens", type=int, default=8192, help="token budget")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/qwen3-bench"))
@@ -110,7 +121,7 @@ def main() -> None:
     for workload in args.workloads.split(","):
         batch, seq = (int(x) for x in workload.split("x"))
         data = make_batch(batch, seq)
-        times = compare(engines, data, args.steps, args.warmup)
+        times = compare(engines, data, args.rounds, args.block, args.warmup)
         result = summary(workload, batch * seq, times)
         results["workloads"].append(result)
         for key in ("one_process_step_s_median", "ray_group_step_s_median",
