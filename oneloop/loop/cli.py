@@ -1,8 +1,10 @@
 """The loop's commands: `oneloop train` / `scripts/train.py` (config file + dotted overrides +
 backend switch) and `oneloop demo` (the CPU demo preset, with its before/after report).
 
-Exit status: 0 done; 1 the run stopped itself (`algo.max_zero_variance_in_a_row`) or failed;
-2 a bad config; 128 + signal number after SIGTERM (143) or SIGINT (130), which stop the run
+Exit status: 0 done; 1 the run stopped itself (`algo.max_zero_variance_in_a_row`) or failed
+(a backend component failed, e.g. a trainer rank died: its message and the resume point are
+printed, no traceback; `--resume` rebuilds the backend from the last checkpoint); 2 a bad
+config; 128 + signal number after SIGTERM (143) or SIGINT (130), which stop the run
 cleanly (see `oneloop.loop.signals`): the step in progress is abandoned, `--resume` redoes it.
 """
 
@@ -13,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from oneloop.errors import ConfigError
+from oneloop.errors import BackendError, ConfigError
 from oneloop.loop.config import load_config
 from oneloop.loop.signals import Stopped, run_stoppable
 
@@ -70,6 +72,9 @@ def main(argv: list[str]) -> int:
         return 2
     except NoTrainableGroupsError as error:
         print(f"stopped: {error}", file=sys.stderr)
+        return 1
+    except BackendError as error:  # the step in progress is lost, the checkpoints are not
+        print(f"oneloop train: failed: {error}\n{resume_hint(cfg.run_dir)}", file=sys.stderr)
         return 1
     except Stopped as stop:
         print(f"oneloop train: {stop}; {resume_hint(cfg.run_dir)}", file=sys.stderr)

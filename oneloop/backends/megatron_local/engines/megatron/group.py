@@ -15,9 +15,9 @@ actor that holds it (the actor itself holds no GPU: the ranks do): every call go
 at once and rank 0's result comes back (tensors on the host). Every wait is bounded by
 `timeout_s` (also the process group's collective timeout). A failure every rank raises alike (a
 bad loss config) is re-raised as is and the group stays usable; a dead rank, a silent one or one
-that fails alone is an error naming the rank, its coordinates, node and pid and the exit reason;
-the group then stops its actors and refuses further calls until it is rebuilt (a new trainer from
-the last checkpoint: the run's `--resume`).
+that fails alone is an error (`BackendError`) naming the rank, its coordinates, node and pid and
+the exit reason; the group then stops its actors and refuses further calls until it is rebuilt (a
+new trainer from the last checkpoint: the run's `--resume`).
 
 Weights come back to the host: `sampler_weights` as numpy (the object-store path), `hf_weights` as
 host tensors (`hf_weights_on_host`), so CUDA IPC / NCCL weight sync from the trainer actor is
@@ -51,7 +51,7 @@ from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
 from oneloop.backends.megatron_local.engines.megatron.parallel.shard import check_tp
 from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 from oneloop.backends.megatron_local.ports import free_port
-from oneloop.errors import CapabilityError
+from oneloop.errors import BackendError, CapabilityError
 
 DEFAULT_TIMEOUT_S = 600.0
 ERROR_GRACE_S = 30.0  # after one rank's error, how long the others get to fail alike
@@ -365,7 +365,7 @@ class MegatronRayGroup(TrainerEngine):
         )
         self._broken = report
         self.close()
-        raise RuntimeError(
+        raise BackendError(
             f"megatron group ({self.sizes}) failed; it refuses further calls until rebuilt from "
             f"the last checkpoint (the run's --resume):\n{report}"
         )
@@ -373,7 +373,7 @@ class MegatronRayGroup(TrainerEngine):
     def call(self, method: str, *args: Any) -> Any:
         """Run engine method `method` on every rank; rank 0's result."""
         if self._broken is not None:
-            raise RuntimeError(
+            raise BackendError(
                 f"megatron group ({self.sizes}) is broken by an earlier failure; rebuild it from "
                 f"the last checkpoint (the run's --resume):\n{self._broken}"
             )
