@@ -12,10 +12,12 @@ random amounts (a wrong norm mapping would then show), writes the models to DIR,
 the torch trainer engine (transformers' modules, the ones the sampler runs; its own process, without
 the CUDA-on-CPU shims). Phase `megatron` trains the same models on the megatron engine: megatron-
 core's GatedDeltaNet (its torch delta rule on CPU), gated attention and MoE layers from
-`megatron.hybrid`; the MoE model also as Ray groups on gloo of dp = 2 × ep = 2 ranks and of
-pp = 2 × dp = 2 × ep = 2 ranks (two pipeline stages, each its slice of the layer pattern, experts
-split over the replicas of each stage), whose checkpoints (after step 1) load at ep = 1. Two
-optim_steps; figures to DIR/figures.json.
+`megatron.hybrid`; both as a Ray group on gloo of tp = 2 ranks (sequence parallel; the Gated
+DeltaNet's heads split by section; the MoE model's experts whole, ep = 2 over the TP pair), and the
+MoE model also of dp = 2 × ep = 2 ranks and of pp = 2 × dp = 2 × ep = 2 ranks (two pipeline
+stages, each its slice of the layer pattern, experts split over the replicas of each stage). The
+groups' checkpoints (after step 1) load in one process. Two optim_steps; figures to
+DIR/figures.json.
 """
 
 import json
@@ -106,9 +108,9 @@ def _run(work: Path) -> None:
         )  # fmt: skip
         _train(ref, out, "ref")
         tags = ["torch"]
+        group = dict(timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0)
+        cm.start_ray(4)
         if name == "qwen3.5-moe":
-            cm.start_ray(4)
-            group = dict(timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0)
             ep2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(dp=2, ep=2),
                                    **group, **mega)  # fmt: skip
             cm.replay_call(ep2, model, out, "ep2", LENGTHS[0], ADAMS[0], backward=False)
@@ -123,14 +125,25 @@ def _run(work: Path) -> None:
             _train(staged, out, "pp2ep2", save=work / "ckpt_pp2ep2_step1")
             staged.close()
             tags += ["ep2", "pp2ep2"]
-            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2"))
-            figures.update({f"{name}/{k}": v for k, v in r3.items()})
             figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
-            for tag in ("ep2", "pp2ep2"):  # the groups' checkpoints load in one process
-                ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
-                figures[f"{name}/ep1_loads_{tag}_weights_gap"] = cm.weights_gap(
-                    cm.fused_weights(ref), out[f"{tag}/weights0"]
-                )
+        # tensor parallelism: the Gated DeltaNet's key / value heads, the gated attention's query
+        # groups and the MLPs split over the TP pair (sequence parallel); MoE: experts whole, EP
+        # over the same pair
+        tp = MegatronParallel(tp=2, ep=2 if name == "qwen3.5-moe" else 1)
+        tp2 = MegatronRayGroup(model, LoraSpec(0), parallel=tp, **group, **mega)
+        if name == "qwen3.5-moe":
+            cm.replay_call(tp2, model, out, "tp2", LENGTHS[0], ADAMS[0], backward=False)
+        _train(tp2, out, "tp2", save=work / "ckpt_tp2_step1")
+        tp2.close()
+        tags.append("tp2")
+        if name == "qwen3.5-moe":
+            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2", "tp2"))
+            figures.update({f"{name}/{k}": v for k, v in r3.items()})
+        for tag in tags[1:]:  # the groups' checkpoints load in one process
+            ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
+            figures[f"{name}/one_process_loads_{tag}_weights_gap"] = cm.weights_gap(
+                cm.fused_weights(ref), out[f"{tag}/weights0"]
+            )
         figures.update({f"{name}/{k}": v for k, v in cm.run_gaps(out, tags, steps=2).items()})
         figures[f"{name}/weights_moved"] = cm.weights_gap(out["ref/weights1"], out["ref/weights0"])
         del ref
