@@ -268,9 +268,17 @@ def test_trainer_layout_splits_experts_and_their_optimizer_as_megatron_does(caps
     assert layout["bytes_per_gpu"] > report["trainer_full_bytes"] / 80
     args = [str(config), *BASE, "--trainer-gpus", "80", "--trainer-layout"]
     assert "tp·pp·cp = 12 does not divide --trainer-gpus=80" in run_error(capsys, [*args, "pp=12"])
-    assert "ep=16 must divide the 512 experts and dp·cp = 8" in run_error(
+    assert "ep=16 must divide the 512 experts and tp·dp·cp = 8" in run_error(
         capsys, [*args, "pp=10,ep=16"]
     )
+    # tp 2: the dense parameters split over the TP pair; each expert stays whole (the megatron
+    # engine's expert TP 1), ep 8 carved out of a stage's tp · dp = 8 ranks
+    tp2 = run_json(capsys, config, "--trainer-layout", "tp=2,pp=10,ep=8", trainer_gpus=80, tp=8)
+    half = dense / 2
+    expected = half * (2 + 2) + half * 12 / 4 + routed / 80 * (2 + 2 + 12)
+    layout = tp2["trainer_layout"]
+    assert layout["layout"] == {"tp": 2, "pp": 10, "cp": 1, "ep": 8, "dp": 4, "expert_dp": 1}
+    assert abs(layout["bytes_per_gpu"] - expected) <= 1
     seven = [str(config), *BASE, "--trainer-gpus", "84", "--trainer-layout", "pp=7"]
     assert "pp=7 does not divide the 60 layers" in run_error(capsys, seven)
     assert "'xp=2' is not one of tp=N" in run_error(capsys, [*args, "xp=2"])

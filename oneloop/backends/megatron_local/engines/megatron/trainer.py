@@ -21,8 +21,8 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   each rank (one pipeline stage, Megatron's schedule); CP > 1: `parallel.cp_rank.MegatronCpRank`
   is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
   EP > 1 (MoE, cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split over the
-  tp · dp ranks of each stage, tokens dispatched all-to-all (MoE at tp > 1: sequence parallel,
-  experts whole, the PP rank class as one stage); replicas with fewer
+  tp · dp ranks of each stage, tokens dispatched all-to-all (MoE and hybrids at tp > 1: sequence
+  parallel, experts whole, the PP rank class as one stage); replicas with fewer
   micro-batches run idle ones (one token, no loss): each dispatch is an EP-group collective. R3:
   `megatron.routing` replays a datum's recorded experts.
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
