@@ -240,6 +240,21 @@ def test_cli_subprocess_text_shows_the_arithmetic() -> None:
     assert "config: '/nonexistent/config.json' is not a config.json file" in done.stderr
 
 
+def test_the_35b_preset_layout_fits_its_trainer_gpus(capsys) -> None:
+    """Qwen3.6-35B-A3B (config: transformers' Qwen3_5MoeConfig defaults, the card's width) at the
+    qwen3.6-35b-a3b preset's layout, ep 8 over 8 GPUs: 256 experts whole, 32 a GPU, their
+    optimizer state unsharded (expert dp = 1); 72.5 GiB of state on the busiest H200."""
+    config = FIXTURES / "qwen3.6-35b-a3b-text.json"
+    report = run_json(capsys, config, "--trainer-layout", "ep=8", trainer_gpus=8, tp=2)
+    layout = report["trainer_layout"]
+    assert layout["layout"] == {"tp": 1, "pp": 1, "cp": 1, "ep": 8, "dp": 8, "expert_dp": 1}
+    routed = 40 * 256 * 3 * 2048 * 512
+    dense = report["params"]["total"] - routed
+    expected = dense * (2 + 2 + 12 / 8) + routed / 8 * (2 + 2 + 12)
+    assert abs(layout["bytes_per_gpu"] - expected) <= 1
+    assert 72 * 2**30 < layout["bytes_per_gpu"] < 73 * 2**30 < 141 * 2**30
+
+
 def test_trainer_layout_splits_experts_and_their_optimizer_as_megatron_does(capsys) -> None:
     """The 397B hybrid (config from the published card: 60 layers, 512 experts of width 1024,
     hidden 4096, vocab 248,320, untied) at the preset's pp 10 × dp 8, ep 8 on 80 GPUs: the routed
