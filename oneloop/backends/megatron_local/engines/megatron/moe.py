@@ -346,12 +346,17 @@ def tp_sections(shape: HybridShape) -> dict[str, list[int]]:
 
 
 def check_tp(shape: HybridShape, tp: int) -> None:
-    """Raise ValueError naming the config figures `tp` does not divide, beyond the attention's
-    (`parallel.shard.check_tp`): a Gated DeltaNet splits its key and value heads over the TP
-    ranks, a shared expert its width, a dense hybrid MLP its width."""
+    """Raise ValueError naming the config figures `tp` does not divide: the attention's heads and
+    KV groups, the vocabulary, a Gated DeltaNet's key and value heads, a shared expert's width,
+    a dense MLP's width (Megatron splits each evenly over the TP ranks; experts stay whole)."""
     if tp == 1:
         return
-    figures = {"shared_expert_intermediate_size": shape.shared_ffn}
+    figures = {
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.vocab,
+        "shared_expert_intermediate_size": shape.shared_ffn,
+    }
     if "linear_attention" in shape.layer_types:
         figures.update(
             linear_num_key_heads=shape.linear_k_heads, linear_num_value_heads=shape.linear_v_heads
@@ -361,8 +366,9 @@ def check_tp(shape: HybridShape, tp: int) -> None:
     bad = {k: v for k, v in figures.items() if v % tp}
     if bad:
         raise ValueError(
-            f"local.megatron.tp={tp} must divide the model's {bad} (Megatron splits the Gated "
-            "DeltaNet heads and the dense and shared-expert MLPs evenly over tensor-parallel ranks)"
+            f"local.megatron.tp={tp} must divide the model's {bad} (Megatron splits heads, KV "
+            "groups, the vocabulary, the Gated DeltaNet heads and the dense and shared-expert MLPs "
+            "evenly over tensor-parallel ranks; each expert stays whole)"
         )
 
 
