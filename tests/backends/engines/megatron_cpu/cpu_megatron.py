@@ -93,7 +93,8 @@ def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -
     `synchronize` returns at once. With `allocations`, also: the `FACTORIES` put tensors asked
     for on CUDA on the CPU, `Tensor.cuda()` returns the tensor itself, and `Tensor.type()` names
     a CPU tensor `torch.cuda.*Tensor` (Megatron's DDP, optimizer and schedules on CPU tensors),
-    and megatron-core's CUDA RNG tracker forks to a null context (sequence parallelism's dropouts).
+    megatron-core's CUDA RNG tracker forks to a null context (sequence parallelism's dropouts),
+    and activation recompute's CUDA RNG state is empty.
     """
     torch.cuda.current_device = lambda: device
     torch.cuda.current_stream = lambda *_args, **_kwargs: NullStream()
@@ -112,6 +113,10 @@ def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -
 
         tracker = megatron_random.CudaRNGStatesTracker
         tracker.fork = lambda *_args, **_kwargs: contextlib.nullcontext()
+        # activation recompute saves and restores the CUDA RNG state around each checkpoint:
+        # there is none on CPU (the CPU generator's state is still saved and restored)
+        megatron_random._get_cuda_rng_state = lambda *_args, **_kwargs: torch.empty(0)
+        megatron_random._set_cuda_rng_state = lambda *_args, **_kwargs: None
 
 
 def gloo_all_to_all() -> None:
@@ -374,6 +379,18 @@ def r3_data(lengths: Sequence[int], layers: int, experts: int, k: int) -> list:
         routing = np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :k].astype(np.int16)
         data.append(dataclasses.replace(datum, routing=routing))
     return data
+
+
+def count_layer_calls(engine) -> list[int]:
+    """A one-element list that counts the forwards of the engine's first decoder layer from now
+    on (activation recompute runs it again in the backward)."""
+    calls = [0]
+
+    def hook(*_args) -> None:
+        calls[0] += 1
+
+    engine.module.decoder.layers[0].register_forward_pre_hook(hook)
+    return calls
 
 
 def replay_call(

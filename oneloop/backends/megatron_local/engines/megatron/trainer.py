@@ -94,6 +94,7 @@ class MegatronParallel:
     dp: int = 1
     use_distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
+    recompute: str = "none"  # "full": every decoder layer recomputed in the backward
 
 
 def _te_available() -> bool:
@@ -227,6 +228,7 @@ class MegatronTrainerEngine(TrainerEngine):
             use_cpu_initialization=self.device.type != "cuda",
             # DP: Megatron's DDP sums the replicas' gradients instead of averaging (Tinker's sums)
             calculate_per_token_loss=self.parallel.dp > 1,
+            **megatron_speed.recompute_fields(self.parallel.recompute),
             **hybrid.transformer_fields(
                 self.moe, self.moe_settings, self.parallel, cpu=self.device.type == "cpu"
             ),

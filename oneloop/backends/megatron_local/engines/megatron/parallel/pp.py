@@ -260,7 +260,13 @@ class MegatronPpRank(MegatronTrainerEngine):
             return output, loss
 
         longest = max((len(d.tokens) for g in groups for d in g), default=1)
-        with torch.set_grad_enabled(not forward_only):
+        recompute = self.config.recompute_granularity is not None  # R3 again in the backward
+        with (
+            torch.set_grad_enabled(not forward_only),
+            megatron_routing.schedule_replay(
+                self.module, recompute and any(r is not None for r in replays)
+            ),
+        ):
             get_forward_backward_func()(
                 forward_step_func=step,
                 data_iterator=batches,
