@@ -17,7 +17,7 @@ DeltaNet's heads split by section; the MoE model's experts whole, ep = 2 over th
 MoE model also of dp = 2 × ep = 2 ranks and of pp = 2 × dp = 2 × ep = 2 ranks (two pipeline
 stages, each its slice of the layer pattern, experts split over the replicas of each stage). The
 groups' checkpoints (after step 1) load in one process. Two optim_steps; figures to
-DIR/figures.json.
+DIR/figures.json. `recompute`: the one-process engine with activation recompute.
 """
 
 import json
@@ -91,6 +91,7 @@ def _run(work: Path) -> None:
         MegatronParallel,
         MegatronTrainerEngine,
     )
+    from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
 
     mega = dict(device="cpu", speed=cm.check_speed(), dtype="float32", threads=1,
                 max_tokens_per_microbatch=BUDGET)  # fmt: skip
@@ -107,7 +108,15 @@ def _run(work: Path) -> None:
              or type(m).__name__.endswith(("Experts", "RMSNorm"))}
         )  # fmt: skip
         _train(ref, out, "ref")
-        tags = ["torch"]
+        # activation recompute: each Gated DeltaNet / attention layer run again in the backward
+        full = MegatronParallel(recompute="full")
+        recompute = MegatronTrainerEngine(model, LoraSpec(0), parallel=full, **mega)
+        calls = cm.count_layer_calls(recompute)
+        _train(recompute, out, "recompute")
+        figures[f"{name}/recompute_layer0_calls"] = calls[0]
+        figures["microbatches"] = sum(len(pack_microbatches(list(n), BUDGET)) for n in LENGTHS)
+        del recompute
+        tags = ["torch", "recompute"]
         group = dict(timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0)
         cm.start_ray(4)
         if name == "qwen3.5-moe":
@@ -139,7 +148,7 @@ def _run(work: Path) -> None:
         if name == "qwen3.5-moe":
             r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2", "tp2"))
             figures.update({f"{name}/{k}": v for k, v in r3.items()})
-        for tag in tags[1:]:  # the groups' checkpoints load in one process
+        for tag in tags[2:]:  # the groups' checkpoints load in one process
             ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
             figures[f"{name}/one_process_loads_{tag}_weights_gap"] = cm.weights_gap(
                 cm.fused_weights(ref), out[f"{tag}/weights0"]

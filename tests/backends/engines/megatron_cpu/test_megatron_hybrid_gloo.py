@@ -32,6 +32,10 @@ def test_megatron_hybrids_match_the_torch_engine(tmp_path) -> None:
     assert figures["qwen3.5/modules"] == ["GatedDeltaNet", "ZeroCenteredRMSNorm"]
     runs = [("qwen3.5-moe", "torch"), ("qwen3.5-moe", "ep2"), ("qwen3.5-moe", "pp2ep2"),
             ("qwen3.5-moe", "tp2"), ("qwen3.5", "torch"), ("qwen3.5", "tp2")]  # fmt: skip
+    for name in ("qwen3.5-moe", "qwen3.5"):  # activation recompute changes nothing
+        runs.append((name, "recompute"))
+        # each micro-batch's first layer run twice: its forward and its recomputation
+        assert figures[f"{name}/recompute_layer0_calls"] == 2 * figures["microbatches"], figures
     for name, tag in runs:
         assert figures[f"{name}/weights_moved"] > 1e-4, figures
         for step in range(2):
@@ -43,7 +47,7 @@ def test_megatron_hybrids_match_the_torch_engine(tmp_path) -> None:
             # test_megatron_moe_gloo): 30 % of one step
             assert figures[f"{key}weights{step}_gap"] < 3e-4, (name, tag, step, figures)
     for name, tag in runs:
-        if tag != "torch":  # the group's checkpoint after step 1, loaded by one process
+        if tag not in ("torch", "recompute"):  # a group's checkpoint after step 1, loaded
             assert figures[f"{name}/one_process_loads_{tag}_weights_gap"] == 0.0, figures
     counts = figures["qwen3.5-moe/microbatch_counts_dp2"]
     assert any(len(set(step)) > 1 for step in counts), counts  # the idle micro-batch path ran
