@@ -70,11 +70,12 @@ class MegatronSettings(_Strict):
     full fine-tuning only (LoRA needs pp = 1)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel size: each sequence split over cp ranks (Megatron's 2·cp-chunk layout, K/V
-    all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA."""
+    all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA; MoE and the
+    hybrids at tp = 1 (a Gated DeltaNet splits its heads over the cp ranks)."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel size (MoE models): each MoE layer's experts split over ep ranks carved out
-    of each pipeline stage's tp · dp ranks (under tp > 1 every expert stays whole, with sequence
-    parallelism; cp = 1), tokens dispatched all-to-all."""
+    of each pipeline stage's tp · cp · dp ranks (under tp > 1 every expert stays whole, with
+    sequence parallelism), tokens dispatched all-to-all."""
     moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
     """MoE load-balancing aux loss coefficient (0 = off, the RL default: it would pull the policy
     away from the sampler's routing)."""

@@ -84,13 +84,24 @@ def _cuda_type_name(self, *args, **kwargs):  # Megatron's optimizers accept torc
 _installed: set[str] = set()
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """Megatron's RoPE chunk selection for a CP rank (chunks r and 2cp-1-r) on the tables' own
+    device: megatron-core builds the index with `pin_memory=True` and `.cuda()`."""
+    cp, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
 def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -> None:
     """Make the CUDA calls megatron-core makes on a CPU run no-ops (idempotent).
 
     `torch.cuda.current_device()` returns `device` ("cpu": RoPE moves its frequencies there and
     the p2p shape buffers are allocated there; an index for a check that maps it itself);
-    streams and events are `NullStream`s, `torch.cuda.stream(...)` a null context, and
-    `synchronize` returns at once. With `allocations`, also: the `FACTORIES` put tensors asked
+    streams and events are `NullStream`s, `torch.cuda.stream(...)` a null context,
+    `synchronize` returns at once, and a CP rank's RoPE chunks are selected on the CPU
+    (`_pos_emb_on_this_cp_rank`). With `allocations`, also: the `FACTORIES` put tensors asked
     for on CUDA on the CPU, `Tensor.cuda()` returns the tensor itself, and `Tensor.type()` names
     a CPU tensor `torch.cuda.*Tensor` (Megatron's DDP, optimizer and schedules on CPU tensors),
     megatron-core's CUDA RNG tracker forks to a null context (sequence parallelism's dropouts),
@@ -98,6 +109,9 @@ def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -
     """
     torch.cuda.current_device = lambda: device
     torch.cuda.current_stream = lambda *_args, **_kwargs: NullStream()
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     torch.cuda.Stream, torch.cuda.Event = NullStream, NullStream
     torch.cuda.stream = lambda *_args, **_kwargs: contextlib.nullcontext()
     torch.cuda.synchronize = lambda *_args, **_kwargs: None

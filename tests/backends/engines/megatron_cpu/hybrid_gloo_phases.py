@@ -13,7 +13,8 @@ the torch trainer engine (transformers' modules, the ones the sampler runs; its 
 the CUDA-on-CPU shims). Phase `megatron` trains the same models on the megatron engine: megatron-
 core's GatedDeltaNet (its torch delta rule on CPU), gated attention and MoE layers from
 `megatron.hybrid`; both as a Ray group on gloo of tp = 2 ranks (sequence parallel; the Gated
-DeltaNet's heads split by section; the MoE model's experts whole, ep = 2 over the TP pair), and the
+DeltaNet's heads split by section; the MoE model's experts whole, ep = 2 over the TP pair) and of
+cp = 2 ranks (the MoE model at cp = 2 × dp = 2 × ep = 2), and the
 MoE model also of dp = 2 × ep = 2 ranks and of pp = 2 × dp = 2 × ep = 2 ranks (two pipeline
 stages, each its slice of the layer pattern, experts split over the replicas of each stage). The
 groups' checkpoints (after step 1) load in one process. Two optim_steps; figures to
@@ -135,6 +136,16 @@ def _run(work: Path) -> None:
             staged.close()
             tags += ["ep2", "pp2ep2"]
             figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
+        # context parallelism: each rank two chunks of every sequence (the Gated DeltaNet trades
+        # them for half its heads over the CP pair, the gated attention gathers K/V); MoE: dp 2
+        # replicas (idle micro-batches of two tokens a rank), experts split ep 2
+        cp = MegatronParallel(cp=2, dp=2, ep=2) if name == "qwen3.5-moe" else MegatronParallel(cp=2)
+        cp2 = MegatronRayGroup(model, LoraSpec(0), parallel=cp, **group, **mega)
+        if name == "qwen3.5-moe":
+            cm.replay_call(cp2, model, out, "cp2", LENGTHS[0], ADAMS[0], backward=False)
+        _train(cp2, out, "cp2", save=work / "ckpt_cp2_step1")
+        cp2.close()
+        tags.append("cp2")
         # tensor parallelism: the Gated DeltaNet's key / value heads, the gated attention's query
         # groups and the MLPs split over the TP pair (sequence parallel); MoE: experts whole, EP
         # over the same pair
@@ -146,7 +157,7 @@ def _run(work: Path) -> None:
         tp2.close()
         tags.append("tp2")
         if name == "qwen3.5-moe":
-            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2", "tp2"))
+            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2", "cp2", "tp2"))
             figures.update({f"{name}/{k}": v for k, v in r3.items()})
         for tag in tags[2:]:  # the groups' checkpoints load in one process
             ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)

@@ -377,26 +377,36 @@ def check_engine_layout(
 ) -> None:
     """What the megatron engine builds for a MoE or hybrid model, else CapabilityError (or
     ValueError for sizes that do not divide) naming the field: pipeline stages (`parallel.pp`);
-    tensor parallelism with sequence parallelism, each expert kept whole (expert TP 1); experts
-    split by `ep` over the ranks of each stage's tp · dp block (ep divides tp · dp); no CP, no
-    LoRA on these layers."""
+    tensor parallelism with sequence parallelism, each expert kept whole (expert TP 1); context
+    parallelism at tp = 1 (`parallel.cp_rank`; a Gated DeltaNet splits its heads over the CP
+    group); experts split by `ep` over the ranks of each stage's tp · cp · dp block; no LoRA on
+    these layers."""
     from oneloop.errors import CapabilityError
 
     shape.check_ep(ep)
     check_tp(shape, tp)
     refusals = (
-        (cp > 1, f"local.megatron.cp={cp}", "context parallelism runs the dense families' "
-         "attention only"),
+        (cp > 1 and tp > 1, f"local.megatron.cp={cp}", f"context parallelism with tp={tp} is not "
+         "built for these layers; use cp with tp = 1, or tp alone"),
         (lora_rank > 0, f"model.lora_rank={lora_rank}", "LoRA adapters on MoE and hybrid "
          "layers are not built on the megatron engine (the torch engine trains them)"),
-        (ep > 1 and (tp * dp) % ep, f"local.megatron.ep={ep}", "expert-parallel ranks are "
-         f"carved out of each stage's tp · dp = {tp * dp} ranks; ep must divide it"),
+        (ep > 1 and (tp * cp * dp) % ep, f"local.megatron.ep={ep}", "expert-parallel ranks are "
+         f"carved out of each stage's tp · cp · dp = {tp * cp * dp} ranks; ep must divide it"),
     )  # fmt: skip
     for refused, field, why in refusals:
         if refused:
             raise CapabilityError(
                 f"{field} with the {'MoE' if shape.experts else 'hybrid'} model "
                 f"{shape.model_type!r} on trainer_engine=megatron: {why}"
+            )
+    if cp > 1 and "linear_attention" in shape.layer_types:
+        heads = {"linear_num_key_heads": shape.linear_k_heads,
+                 "linear_num_value_heads": shape.linear_v_heads}  # fmt: skip
+        bad = {k: v for k, v in heads.items() if v % cp}
+        if bad:
+            raise ValueError(
+                f"local.megatron.cp={cp} must divide the model's {bad} (the Gated DeltaNet "
+                "trades its sequence chunks for heads over the CP group)"
             )
 
 

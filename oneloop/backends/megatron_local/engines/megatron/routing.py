@@ -108,6 +108,7 @@ class MegatronRouterReplay:
         seq: int,
         stage: range | None = None,
         shard: tuple[int, int] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> None:
         if not routers:
             raise ValueError(
@@ -135,6 +136,10 @@ class MegatronRouterReplay:
         if shard is not None:  # sequence parallelism: this TP rank's slice of the positions
             rank, size = shard
             self.forced = self.forced.reshape(size, -1, layers, k)[rank]
+        if positions is not None:  # context parallelism: this CP rank's positions
+            rows = len(data)
+            by_position = self.forced.reshape(seq, rows, layers, k)
+            self.forced = by_position[positions.cpu()].reshape(-1, layers, k)
         self.routers = routers
         self._layers = [_LayerReplay(self.forced[:, i]) for i in range(layers)]
 
@@ -164,14 +169,16 @@ def replay(
     seq: int,
     stage: range | None = None,
     shard: tuple[int, int] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> MegatronRouterReplay | None:
     """The replay of one micro-batch (padded to `seq`), None when no datum carries routing.
     `stage`: the decoder layers `module` holds (a pipeline stage's), None: every layer; `shard`:
     (TP rank, tp) under sequence parallelism (each TP rank routes a contiguous slice of the
-    sequence-major tokens), None: every token."""
+    sequence-major tokens); `positions`: the positions a context-parallel rank holds (its
+    chunks, in its order); None: every token."""
     if all(d.routing is None for d in data):
         return None
-    return MegatronRouterReplay(moe_routers(module), data, seq, stage, shard)
+    return MegatronRouterReplay(moe_routers(module), data, seq, stage, shard, positions)
 
 
 def free_pass(data: list[DatumArrays]) -> bool:

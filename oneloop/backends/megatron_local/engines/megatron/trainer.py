@@ -465,14 +465,19 @@ class MegatronTrainerEngine(TrainerEngine):
     def _idle_microbatch(self, forward_only: bool, passes: int) -> None:
         """Forward (and backward) one token with no loss, then `passes` − 1 no-grad forwards: a
         replica with fewer micro-batches than the others of its EP group joins their dispatches."""
-        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        tokens, positions = self._idle_tokens()
         with torch.set_grad_enabled(not forward_only):
-            logits = self.model(input_ids=one, position_ids=one, attention_mask=None)
+            logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=None)
             if not forward_only:
                 (logits.float().sum() * 0.0).backward()
         with torch.no_grad():
             for _ in range(passes - 1):
-                self.model(input_ids=one, position_ids=one, attention_mask=None)
+                self.model(input_ids=tokens, position_ids=positions, attention_mask=None)
+
+    def _idle_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An idle micro-batch's token ids and positions (one token; CP: `parallel.cp_rank`)."""
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        return one, one
 
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         lr = float(adam_params["learning_rate"])
