@@ -9,11 +9,12 @@ loss, through the engine contract) + `optim_step`, per variant: the engine as fi
 (`MegatronSpeed.off()`, two sequences per micro-batch: its fp32 logits did not fit more), each
 local-spec `MegatronSpeed` switch alone, all of them (the default without TE) at 8k and 16k tokens
 per micro-batch, the opt-in RoPE fusion, SDPA backends, TransformerEngine's layer spec (`te`,
-`te_mb8k`: the default where TE imports; megatron-core then runs TE's FusedAdam in every variant)
-and the `torch` engine. Prints tokens/s, MFU, the ratio to the baseline, forward_backward and
-optim_step seconds, peak memory and the target-logprob gap to the baseline's first step (same
-weights: bf16 tolerance expected); writes $OUT/gpu_mfu.json after every variant, so a run cut
-short keeps what it measured.
+`te_mb8k`: the default where TE imports; megatron-core then runs TE's FusedAdam in every variant),
+the `torch` engine, and `all_recompute` (`all` with `local.megatron.recompute: full`: its peak
+memory against `all`'s is what recompute saves, its tokens/s what it costs). Prints tokens/s,
+MFU, the ratio to the baseline, forward_backward and optim_step seconds, peak memory and the
+target-logprob gap to the baseline's first step (same weights: bf16 tolerance expected); writes
+$OUT/gpu_mfu.json after every variant, so a run cut short keeps what it measured.
 
 MFU = (6·N + 6·L·s·heads·head_dim) · tokens/s / 989 TFLOP/s (H200 dense bf16), N = every
 parameter, a tied embedding once (it is also the LM head's matmul), the attention term halved for
@@ -69,7 +70,9 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     "all_eager_logprobs": ("megatron", replace(ALL, compile_logprobs=False), 4),
     "all_nocompile": ("megatron", replace(ALL, compile_logprobs=False, swiglu_fusion=False), 4),
     "all_sequential_experts": ("megatron", replace(ALL, grouped_experts=False), 4),  # MoE shapes
+    "all_recompute": ("megatron", ALL, 4),  # local.megatron.recompute: full (RECOMPUTED)
 }
+RECOMPUTED = {"all_recompute"}
 
 
 def make_batch(batch: int, seq: int) -> list[DatumArrays]:
@@ -95,14 +98,19 @@ def flops_per_token(cfg, seq: int) -> tuple[int, float]:
     return n_params, 6 * n_params + attn
 
 
-def build_engine(kind: str, speed: MegatronSpeed | None, path: Path, budget: int):
+def build_engine(
+    kind: str, speed: MegatronSpeed | None, path: Path, budget: int, recompute: bool = False
+):
     if kind == "torch":
         from oneloop.backends.megatron_local.engines.torch.trainer import TorchTrainerEngine
 
         return TorchTrainerEngine(
             path, LoraSpec(0), dtype="bfloat16", device="cuda", max_tokens_per_microbatch=budget
         )
-    from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronTrainerEngine
+    from oneloop.backends.megatron_local.engines.megatron.trainer import (
+        MegatronParallel,
+        MegatronTrainerEngine,
+    )
 
     return MegatronTrainerEngine(
         path,
@@ -111,6 +119,7 @@ def build_engine(kind: str, speed: MegatronSpeed | None, path: Path, budget: int
         device="cuda",
         max_tokens_per_microbatch=budget,
         speed=speed,
+        parallel=MegatronParallel(recompute="full" if recompute else "none"),
     )
 
 
@@ -222,7 +231,7 @@ def main() -> None:
         t0 = time.perf_counter()
         engine = None
         try:
-            engine = build_engine(kind, speed, path, seqs_per_mb * args.seq)
+            engine = build_engine(kind, speed, path, seqs_per_mb * args.seq, name in RECOMPUTED)
             entry["build_s"] = round(time.perf_counter() - t0, 1)
             timing, first_lp = measure(engine, data, args.steps, args.warmup)
             tps = tokens / timing.pop("step_s_raw")

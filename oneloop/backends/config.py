@@ -70,12 +70,12 @@ class MegatronSettings(_Strict):
     full fine-tuning only (LoRA needs pp = 1)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel size: each sequence split over cp ranks (Megatron's 2·cp-chunk layout, K/V
-    all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA."""
+    all-gathered; no TE needed); ranks = tp × cp GPUs; not with pp > 1 or LoRA; MoE and the
+    hybrids at tp = 1 (a Gated DeltaNet splits its heads over the cp ranks)."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel size (MoE models): each MoE layer's experts split over ep ranks carved out
-    of each pipeline stage's tp · dp ranks (Qwen3-MoE under tp > 1 keeps every expert whole, with
-    sequence parallelism; the hybrids run at tp = 1; cp = 1 for both), tokens dispatched
-    all-to-all."""
+    of each pipeline stage's tp · cp · dp ranks (under tp > 1 every expert stays whole, with
+    sequence parallelism), tokens dispatched all-to-all."""
     moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
     """MoE load-balancing aux loss coefficient (0 = off, the RL default: it would pull the policy
     away from the sampler's routing)."""
@@ -90,6 +90,11 @@ class MegatronSettings(_Strict):
     when the group fits one node, else PACK (TP × CP blocks on one node, DP replicas span nodes)."""
     use_distributed_optimizer: bool = True
     """Megatron's distributed optimizer (fp32 main params sharded over data-parallel ranks)."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recomputation: `full` keeps only each decoder layer's input from the forward
+    and recomputes the layer during the backward (megatron-core's full, uniform recompute, one
+    layer per checkpoint), so a long trajectory's activations take one layer's worth plus the
+    layer inputs, for about one more forward of compute; the results are the same."""
     optimizer_cpu_offload: bool = False
     """Keep optimizer state (fp32 main params, Adam moments) and the AdamW update of every
     parameter on the CPU (`megatron.offload`): ~12 GPU bytes a parameter saved, step time spent;
@@ -304,13 +309,15 @@ def read_backend_file(path: Path, flag: str = "--backend-config") -> dict[str, A
         raise ConfigError(f"{where}: not valid YAML ({first})") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping (the backend section), got "
-                          f"{type(raw).__name__}")
+        raise ConfigError(
+            f"{where}: expected a mapping (the backend section), got {type(raw).__name__}"
+        )
     if isinstance(raw.get("backend"), dict):  # wrapped: `backend: {backend: local, ...}`
         if len(raw) > 1:
             others = ", ".join(sorted(str(k) for k in raw if k != "backend"))
-            raise ConfigError(f"{where}: a file wrapped in `backend:` holds nothing else "
-                              f"(also found: {others})")
+            raise ConfigError(
+                f"{where}: a file wrapped in `backend:` holds nothing else (also found: {others})"
+            )
         raw = raw["backend"]
     return raw
 
@@ -324,8 +331,12 @@ def check_model_dirs(config: BackendConfig, prefix: str = "backend") -> None:
     for name, path in config.models.items():
         field = f"{prefix}.models.{name}"
         if not path.is_dir():
-            raise ConfigError(f"{field}: {path} is not a directory (expected a local Hugging "
-                              "Face model directory)")
+            raise ConfigError(
+                f"{field}: {path} is not a directory (expected a local Hugging "
+                "Face model directory)"
+            )
         if not (path / "config.json").is_file():
-            raise ConfigError(f"{field}: {path} has no config.json (expected a local Hugging "
-                              "Face model directory)")
+            raise ConfigError(
+                f"{field}: {path} has no config.json (expected a local Hugging "
+                "Face model directory)"
+            )

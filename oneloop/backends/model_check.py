@@ -95,8 +95,9 @@ def check_megatron_layout(
 ) -> None:
     """The megatron engine's refusals for this model's layout (`local.megatron`), raised here so
     they come before any engine starts: pp must split the decoder layers evenly, and a MoE or
-    hybrid model refuses what `moe.check_engine_layout` refuses (tp > 1 on a hybrid, cp > 1,
-    LoRA, an ep that does not divide tp · dp). CapabilityError naming the field."""
+    hybrid model refuses what `moe.check_engine_layout` refuses (a tp that does not split the
+    Gated DeltaNet heads or the MLP widths, cp > 1, LoRA, an ep that does not divide tp · dp).
+    CapabilityError naming the field."""
     from oneloop.backends.megatron_local.engines.megatron import moe
     from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
         check_pp,

@@ -7,9 +7,10 @@ state (master copy, Adam m and v: 12 B a parameter) over different groups:
   over pipeline stages (`pp`, L/pp decoder layers each; the first stage holds the input embedding,
   the last the output layer, a copy of it when tied) and tensor-parallel ranks (`tp`); their
   optimizer state sharded over the data-parallel ranks of a stage (`dp · cp`);
-- routed experts: split over stages, expert-parallel ranks (`ep`) and Megatron's expert tensor
-  parallelism (its default: `tp`); their optimizer state sharded over the expert-data-parallel
-  ranks only (`dp · cp / ep`), so at ep = dp it is not sharded at all.
+- routed experts: split over stages and expert-parallel ranks (`ep`), each expert whole on its
+  rank (the megatron engine keeps expert tensor parallelism at 1 and carves EP out of a stage's
+  tp · dp ranks); their optimizer state sharded over the expert-data-parallel ranks only
+  (`tp · dp · cp / ep`), so at ep = tp · dp it is not sharded at all.
 Weights and gradients are never sharded by the optimizer. Activations are not counted. dp is
 `--trainer-gpus / (tp · pp · cp)`; a layout that does not divide is refused naming the field.
 """
@@ -74,11 +75,11 @@ def layout_memory(
     dp = trainer_gpus // model_parallel
     if s.layers % pp:
         raise SizeInputError(f"--trainer-layout: pp={pp} does not divide the {s.layers} layers")
-    if ep > 1 and (s.moe is None or s.moe.num_experts % ep or (dp * cp) % ep):
+    if ep > 1 and (s.moe is None or s.moe.num_experts % ep or (tp * dp * cp) % ep):
         experts = s.moe.num_experts if s.moe else 0
         raise SizeInputError(
-            f"--trainer-layout: ep={ep} must divide the {experts} experts and dp·cp = {dp * cp} "
-            "(expert-parallel ranks are carved out of the data-parallel ones)"
+            f"--trainer-layout: ep={ep} must divide the {experts} experts and tp·dp·cp = "
+            f"{tp * dp * cp} (expert-parallel ranks are carved out of a stage's ranks)"
         )
     wg = DTYPE_BYTES[dtype] + DTYPE_BYTES[grad_dtype]
     routed = routed_expert_params(s)
@@ -86,15 +87,15 @@ def layout_memory(
     matrix = s.vocab * s.hidden
     embeddings = params.embeddings if pp == 1 else matrix  # pp > 1: one matrix per end stage
     dense = Fraction(Fraction(body, pp) + embeddings, tp)
-    experts = Fraction(routed, pp * ep * tp)
-    edp = dp * cp // ep
+    experts = Fraction(routed, pp * ep)
+    edp = tp * dp * cp // ep
     opt = OPTIMIZER_BYTES_PER_PARAM
     dense_bytes = dense * wg + dense * opt / (dp * cp)
     expert_bytes = experts * wg + experts * opt / edp
     total = dense_bytes + expert_bytes
     lines.append(
         f"trainer layout tp={tp} pp={pp} cp={cp} ep={ep} on {trainer_gpus} GPUs: dp = "
-        f"{trainer_gpus} / (tp·pp·cp) = {dp}, expert dp = dp·cp/ep = {edp}"
+        f"{trainer_gpus} / (tp·pp·cp) = {dp}, expert dp = tp·dp·cp/ep = {edp}"
     )
     lines.append(
         f"dense params per GPU (end stage) = ({body:,} / pp {pp} + embeddings {embeddings:,}) / "
@@ -102,7 +103,7 @@ def layout_memory(
         f"{_gib(dense_bytes)}"
     )
     lines.append(
-        f"routed experts per GPU = {routed:,} / (pp·ep·tp = {pp * ep * tp}) = "
+        f"routed experts per GPU (each whole) = {routed:,} / (pp·ep = {pp * ep}) = "
         f"{float(experts):,.0f}; * ({wg} B + {opt} B / {edp}) = {_gib(expert_bytes)}"
     )
     lines.append(f"trainer state on the busiest GPU = {_gib(total)}")

@@ -240,6 +240,21 @@ def test_cli_subprocess_text_shows_the_arithmetic() -> None:
     assert "config: '/nonexistent/config.json' is not a config.json file" in done.stderr
 
 
+def test_the_35b_preset_layout_fits_its_trainer_gpus(capsys) -> None:
+    """Qwen3.6-35B-A3B (config: transformers' Qwen3_5MoeConfig defaults, the card's width) at the
+    qwen3.6-35b-a3b preset's layout, ep 8 over 8 GPUs: 256 experts whole, 32 a GPU, their
+    optimizer state unsharded (expert dp = 1); 72.5 GiB of state on the busiest H200."""
+    config = FIXTURES / "qwen3.6-35b-a3b-text.json"
+    report = run_json(capsys, config, "--trainer-layout", "ep=8", trainer_gpus=8, tp=2)
+    layout = report["trainer_layout"]
+    assert layout["layout"] == {"tp": 1, "pp": 1, "cp": 1, "ep": 8, "dp": 8, "expert_dp": 1}
+    routed = 40 * 256 * 3 * 2048 * 512
+    dense = report["params"]["total"] - routed
+    expected = dense * (2 + 2 + 12 / 8) + routed / 8 * (2 + 2 + 12)
+    assert abs(layout["bytes_per_gpu"] - expected) <= 1
+    assert 72 * 2**30 < layout["bytes_per_gpu"] < 73 * 2**30 < 141 * 2**30
+
+
 def test_trainer_layout_splits_experts_and_their_optimizer_as_megatron_does(capsys) -> None:
     """The 397B hybrid (config from the published card: 60 layers, 512 experts of width 1024,
     hidden 4096, vocab 248,320, untied) at the preset's pp 10 × dp 8, ep 8 on 80 GPUs: the routed
@@ -268,9 +283,17 @@ def test_trainer_layout_splits_experts_and_their_optimizer_as_megatron_does(caps
     assert layout["bytes_per_gpu"] > report["trainer_full_bytes"] / 80
     args = [str(config), *BASE, "--trainer-gpus", "80", "--trainer-layout"]
     assert "tp·pp·cp = 12 does not divide --trainer-gpus=80" in run_error(capsys, [*args, "pp=12"])
-    assert "ep=16 must divide the 512 experts and dp·cp = 8" in run_error(
+    assert "ep=16 must divide the 512 experts and tp·dp·cp = 8" in run_error(
         capsys, [*args, "pp=10,ep=16"]
     )
+    # tp 2: the dense parameters split over the TP pair; each expert stays whole (the megatron
+    # engine's expert TP 1), ep 8 carved out of a stage's tp · dp = 8 ranks
+    tp2 = run_json(capsys, config, "--trainer-layout", "tp=2,pp=10,ep=8", trainer_gpus=80, tp=8)
+    half = dense / 2
+    expected = half * (2 + 2) + half * 12 / 4 + routed / 80 * (2 + 2 + 12)
+    layout = tp2["trainer_layout"]
+    assert layout["layout"] == {"tp": 2, "pp": 10, "cp": 1, "ep": 8, "dp": 4, "expert_dp": 1}
+    assert abs(layout["bytes_per_gpu"] - expected) <= 1
     seven = [str(config), *BASE, "--trainer-gpus", "84", "--trainer-layout", "pp=7"]
     assert "pp=7 does not divide the 60 layers" in run_error(capsys, seven)
     assert "'xp=2' is not one of tp=N" in run_error(capsys, [*args, "xp=2"])

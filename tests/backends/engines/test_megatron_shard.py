@@ -13,9 +13,9 @@ from transformers import Qwen3Config
 from oneloop.backends.megatron_local.engines.megatron.layout import DenseShape, hf_to_megatron
 from oneloop.backends.megatron_local.engines.megatron.parallel.shard import (
     COLUMN,
-    FC1,
     REPLICATED,
     ROW,
+    SECTIONS,
     check_tp,
     gather_all,
     shard_all,
@@ -50,7 +50,7 @@ def test_kinds_of_every_parameter() -> None:
     layer = "decoder.layers.1."
     assert kinds[layer + "self_attention.linear_qkv.weight"] == COLUMN
     assert kinds[layer + "self_attention.linear_proj.weight"] == ROW
-    assert kinds[layer + "mlp.linear_fc1.weight"] == FC1
+    assert kinds[layer + "mlp.linear_fc1.weight"] == SECTIONS
     assert kinds[layer + "mlp.linear_fc2.weight"] == ROW
     assert kinds["embedding.word_embeddings.weight"] == COLUMN
     assert kinds["output_layer.weight"] == COLUMN
@@ -107,6 +107,46 @@ def test_rank_parts_compute_the_full_mlp_and_logits() -> None:
     torch.testing.assert_close(shards, logits)  # vocab-parallel: rank r holds vocab block r
 
 
+@pytest.mark.parametrize("name", ["oneloop/tiny-qwen3.5-moe", "oneloop/tiny-qwen3.5"])
+def test_hybrid_shards_split_the_gated_delta_net_by_head(name: str) -> None:
+    """A Qwen3.5 hybrid at TP 2: round trip exact; rank r's Gated DeltaNet tensors are the rows
+    of its own key heads (q, k) and value heads (v, z, beta, alpha, A_log, dt_bias), section by
+    section as megatron-core splits them; the routed experts stay whole."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from oneloop.backends.megatron_local.engines.megatron import moe
+    from oneloop.tiny.model import build_tiny_model, named_tiny_specs
+
+    path = build_tiny_model(named_tiny_specs()[name])
+    shape = moe.HybridShape.from_hf(AutoConfig.from_pretrained(path))
+    hf = load_file(path / "model.safetensors")
+    mega, sections, tp = moe.hf_to_megatron(shape, hf), moe.tp_sections(shape), 2
+    parts = [shard_all(mega, tp, r, sections) for r in range(tp)]
+    back = gather_all(parts, sections)
+    assert list(back) == list(mega) and all(torch.equal(back[n], mega[n]) for n in mega)
+    kinds = {n: tp_kind(n) for n in mega}
+    assert {kinds[n] for n in mega if ".local_experts." in n} <= {REPLICATED}
+    i = shape.layer_types.index("linear_attention")
+    src, dst = f"model.layers.{i}.linear_attn.", f"decoder.layers.{i}.self_attention."
+    kd, vd = shape.linear_k_heads * shape.linear_k_dim, shape.linear_v_heads * shape.linear_v_dim
+    q, k, v = torch.split(hf[src + "in_proj_qkv.weight"], [kd, kd, vd])
+    cq, ck, cv = torch.split(hf[src + "conv1d.weight"], [kd, kd, vd])
+    z, b, a = (hf[f"{src}in_proj_{n}.weight"] for n in "zba")
+    for r, part in enumerate(parts):
+        mine = [torch.chunk(t, tp)[r] for t in (q, k, v, z, b, a)]  # heads r·H/tp … in order
+        assert torch.equal(part[dst + "in_proj.weight"], torch.cat(mine))
+        conv = torch.cat([torch.chunk(t, tp)[r] for t in (cq, ck, cv)])
+        assert torch.equal(part[dst + "conv1d.weight"], conv)
+        for tensor in ("A_log", "dt_bias"):
+            assert torch.equal(part[dst + tensor], torch.chunk(hf[src + tensor], tp)[r])
+        out = torch.chunk(hf[src + "out_proj.weight"], tp, dim=1)[r]
+        assert torch.equal(part[dst + "out_proj.weight"], out)
+        assert torch.equal(part[dst + "out_norm.weight"], mega[dst + "out_norm.weight"])
+    with pytest.raises(ValueError, match=r"(in_proj|conv1d)\.weight: no row sections"):
+        shard_all(mega, tp, 0)  # a hybrid's fused GDN tensors need their sections
+
+
 def test_check_tp_names_the_indivisible_figure() -> None:
     shape, _ = _model(tied=True)
     check_tp(shape, 4)
@@ -147,4 +187,3 @@ def test_group_engine_refuses_before_starting_ranks(tmp_path) -> None:
         MegatronRayGroup(tmp_path, LoraSpec(4), parallel=MegatronParallel(tp=2, pp=2))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         MegatronRayGroup(tmp_path, LoraSpec(0), parallel=MegatronParallel(tp=8), device="cpu")
-

@@ -152,18 +152,24 @@ def test_vllm_model_args_serve_hybrids_text_only_with_triton_gdn_prefill(tmp_pat
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["backend.local.megatron.tp=2"], r"local\.megatron\.tp=2 with the MoE model"),
-        (["backend.local.megatron.cp=2"], r"local\.megatron\.cp=2 with the MoE model"),
+        (["backend.local.megatron.tp=4"], r"local\.megatron\.tp=4 must divide .*linear_num_k"),
+        (
+            ["backend.local.megatron.cp=2", "backend.local.megatron.tp=2"],
+            r"cp=2 with the MoE .*tp=2",
+        ),
         (["backend.local.megatron.pp=3"], r"local\.megatron\.pp=3 must divide .*=4"),
-        (["backend.local.megatron.ep=2"], r"local\.megatron\.ep=2 .* tp · dp = 1 ranks"),
+        (["backend.local.megatron.ep=2"], r"local\.megatron\.ep=2 .* tp · cp · dp = 1 ranks"),
         (["model.lora_rank=8"], r"model\.lora_rank=8 with the MoE model"),
     ],
 )
 def test_the_megatron_layout_of_a_moe_model_is_refused_before_any_engine(overrides, message):
     """What the megatron engine would refuse when it builds a MoE / hybrid model is refused by
-    `load_config`, naming the field; pipeline stages × replicas × EP load."""
+    `load_config`, naming the field; pipeline stages × replicas × EP load, and so do TP × EP and
+    CP × EP."""
     base = ["backend.local.trainer_engine=megatron", f"model.base_model={TINY_QWEN3_5_MOE}"]
     staged = ["backend.local.megatron.pp=2", "backend.local.megatron.dp=2"]
     load_config("demo-cpu", [*base, *staged, "backend.local.megatron.ep=2"])
+    load_config("demo-cpu", [*base, "backend.local.megatron.tp=2", "backend.local.megatron.ep=2"])
+    load_config("demo-cpu", [*base, "backend.local.megatron.cp=2", "backend.local.megatron.ep=2"])
     with pytest.raises(CapabilityError, match=message):
         load_config("demo-cpu", [*base, *overrides])

@@ -175,14 +175,25 @@ def test_hybrid_transformer_fields_and_refusals() -> None:
     assert transformer_fields(None, MoeSettings(), one, cpu=True) == {}
     sizes = dict(tp=1, pp=1, cp=1, ep=1, dp=1, lora_rank=0)
     check_engine_layout(dense, **sizes)
-    for field, value in (("tp", 2), ("cp", 2), ("lora_rank", 8)):
-        with pytest.raises(CapabilityError, match=rf"{field}={value} with the hybrid model"):
-            check_engine_layout(dense, **{**sizes, field: value})
+    with pytest.raises(CapabilityError, match=r"lora_rank=8 with the hybrid model"):
+        check_engine_layout(dense, **{**sizes, "lora_rank": 8})
+    check_engine_layout(dense, **{**sizes, "cp": 2})  # the GDN's 2 key heads split over CP
+    with pytest.raises(CapabilityError, match=r"cp=2 with the hybrid model.*tp=2"):
+        check_engine_layout(dense, **{**sizes, "cp": 2, "tp": 2})
+    with pytest.raises(ValueError, match=r"cp=4 must divide .*'linear_num_key_heads': 2"):
+        check_engine_layout(dense, **{**sizes, "cp": 4})
+    check_engine_layout(moe, **{**sizes, "cp": 2, "dp": 2, "ep": 4})  # EP out of cp · dp
+    check_engine_layout(dense, **{**sizes, "tp": 2})  # 2 GDN key heads, 4 value heads
+    with pytest.raises(ValueError, match=r"tp=4 must divide .*'linear_num_key_heads': 2"):
+        check_engine_layout(dense, **{**sizes, "tp": 4})
     check_engine_layout(moe, **{**sizes, "pp": 2, "dp": 4, "ep": 4})  # stages × replicas × EP
-    with pytest.raises(CapabilityError, match=r"ep=4 with the MoE model.*tp · dp = 2 ranks"):
+    with pytest.raises(CapabilityError, match=r"ep=4 with the MoE model.*tp · cp · dp = 2 ranks"):
         check_engine_layout(moe, **{**sizes, "pp": 2, "dp": 2, "ep": 4})
-    with pytest.raises(CapabilityError, match="tp=2 with the MoE model 'qwen3_5_moe_text'.*Gated"):
-        check_engine_layout(moe, **{**sizes, "tp": 2})  # the hybrid's GDN has no TP map
+    check_engine_layout(moe, **{**sizes, "tp": 2, "ep": 2})  # GDN heads split, experts whole
+    for shape in (moe, dense):  # TP: sequence parallel; MoE: experts whole (expert TP 1)
+        tp2 = transformer_fields(shape, MoeSettings(), MegatronParallel(tp=2), cpu=True)
+        assert tp2["sequence_parallel"] and tp2["tensor_model_parallel_size"] == 2
+        assert tp2.get("expert_tensor_parallel_size") == (1 if shape.experts else None)
     qwen3_moe, _ = _checkpoint(TINY_QWEN3_MOE)
     check_engine_layout(qwen3_moe, **{**sizes, "tp": 2, "ep": 2})  # EP carved from the TP pair
     sp = transformer_fields(qwen3_moe, MoeSettings(), MegatronParallel(tp=2), cpu=True)

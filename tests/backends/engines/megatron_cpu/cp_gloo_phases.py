@@ -17,7 +17,7 @@ CPU shims, here only (the rank actors import this file as a module, so they get 
   frequencies there), and `torch.cuda.current_stream` → a no-op stream (DDP's grad sync fetches it
   to wait on CUDA-graph events);
 - Megatron's `get_pos_emb_on_this_cp_rank` builds its chunk index with `pin_memory=True` and
-  `.cuda()`: replaced by the same index_select on the tables' device;
+  `.cuda()`: replaced by the same index_select on the tables' device (also `cuda_calls_on_cpu`);
 - Megatron's optimizer allocates on CUDA (`_dummy_overflow_buf`): the engine keeps Megatron's real
   DDP (its gradient buffers, scaling factor and all-reduce over the DP×CP group, which is what CP
   must get right) with `use_distributed_optimizer=False`, and a torch AdamW over the fp32
@@ -42,24 +42,6 @@ from oneloop.backends.megatron_local.engines.megatron.trainer import (
 )
 
 cm.cuda_calls_on_cpu()
-
-
-def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-    """Megatron's chunk selection (chunks r and 2cp-1-r) on the tables' own device."""
-    cp, rank = cp_group.size(), cp_group.rank()
-    index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
-    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
-    pos_emb = pos_emb.index_select(seq_dim, index)
-    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
-
-
-def _patch_rope() -> None:
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
-
-    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
-
-
-_patch_rope()  # at import: the rank actors run this module's top level, not _run
 
 
 class _CpuAdam:

@@ -84,19 +84,34 @@ def _cuda_type_name(self, *args, **kwargs):  # Megatron's optimizers accept torc
 _installed: set[str] = set()
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """Megatron's RoPE chunk selection for a CP rank (chunks r and 2cp-1-r) on the tables' own
+    device: megatron-core builds the index with `pin_memory=True` and `.cuda()`."""
+    cp, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
 def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -> None:
     """Make the CUDA calls megatron-core makes on a CPU run no-ops (idempotent).
 
     `torch.cuda.current_device()` returns `device` ("cpu": RoPE moves its frequencies there and
     the p2p shape buffers are allocated there; an index for a check that maps it itself);
-    streams and events are `NullStream`s, `torch.cuda.stream(...)` a null context, and
-    `synchronize` returns at once. With `allocations`, also: the `FACTORIES` put tensors asked
+    streams and events are `NullStream`s, `torch.cuda.stream(...)` a null context,
+    `synchronize` returns at once, and a CP rank's RoPE chunks are selected on the CPU
+    (`_pos_emb_on_this_cp_rank`). With `allocations`, also: the `FACTORIES` put tensors asked
     for on CUDA on the CPU, `Tensor.cuda()` returns the tensor itself, and `Tensor.type()` names
     a CPU tensor `torch.cuda.*Tensor` (Megatron's DDP, optimizer and schedules on CPU tensors),
-    and megatron-core's CUDA RNG tracker forks to a null context (sequence parallelism's dropouts).
+    megatron-core's CUDA RNG tracker forks to a null context (sequence parallelism's dropouts),
+    and activation recompute's CUDA RNG state is empty.
     """
     torch.cuda.current_device = lambda: device
     torch.cuda.current_stream = lambda *_args, **_kwargs: NullStream()
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     torch.cuda.Stream, torch.cuda.Event = NullStream, NullStream
     torch.cuda.stream = lambda *_args, **_kwargs: contextlib.nullcontext()
     torch.cuda.synchronize = lambda *_args, **_kwargs: None
@@ -112,6 +127,10 @@ def cuda_calls_on_cpu(*, device: str | int = "cpu", allocations: bool = False) -
 
         tracker = megatron_random.CudaRNGStatesTracker
         tracker.fork = lambda *_args, **_kwargs: contextlib.nullcontext()
+        # activation recompute saves and restores the CUDA RNG state around each checkpoint:
+        # there is none on CPU (the CPU generator's state is still saved and restored)
+        megatron_random._get_cuda_rng_state = lambda *_args, **_kwargs: torch.empty(0)
+        megatron_random._set_cuda_rng_state = lambda *_args, **_kwargs: None
 
 
 def gloo_all_to_all() -> None:
@@ -374,6 +393,18 @@ def r3_data(lengths: Sequence[int], layers: int, experts: int, k: int) -> list:
         routing = np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :k].astype(np.int16)
         data.append(dataclasses.replace(datum, routing=routing))
     return data
+
+
+def count_layer_calls(engine) -> list[int]:
+    """A one-element list that counts the forwards of the engine's first decoder layer from now
+    on (activation recompute runs it again in the backward)."""
+    calls = [0]
+
+    def hook(*_args) -> None:
+        calls[0] += 1
+
+    engine.module.decoder.layers[0].register_forward_pre_hook(hook)
+    return calls
 
 
 def replay_call(

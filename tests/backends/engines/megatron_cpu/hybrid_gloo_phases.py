@@ -12,10 +12,13 @@ random amounts (a wrong norm mapping would then show), writes the models to DIR,
 the torch trainer engine (transformers' modules, the ones the sampler runs; its own process, without
 the CUDA-on-CPU shims). Phase `megatron` trains the same models on the megatron engine: megatron-
 core's GatedDeltaNet (its torch delta rule on CPU), gated attention and MoE layers from
-`megatron.hybrid`; the MoE model also as Ray groups on gloo of dp = 2 × ep = 2 ranks and of
-pp = 2 × dp = 2 × ep = 2 ranks (two pipeline stages, each its slice of the layer pattern, experts
-split over the replicas of each stage), whose checkpoints (after step 1) load at ep = 1. Two
-optim_steps; figures to DIR/figures.json.
+`megatron.hybrid`; both as a Ray group on gloo of tp = 2 ranks (sequence parallel; the Gated
+DeltaNet's heads split by section; the MoE model's experts whole, ep = 2 over the TP pair) and of
+cp = 2 ranks (the MoE model at cp = 2 × dp = 2 × ep = 2), and the
+MoE model also of dp = 2 × ep = 2 ranks and of pp = 2 × dp = 2 × ep = 2 ranks (two pipeline
+stages, each its slice of the layer pattern, experts split over the replicas of each stage). The
+groups' checkpoints (after step 1) load in one process. Two optim_steps; figures to
+DIR/figures.json. `recompute`: the one-process engine with activation recompute.
 """
 
 import json
@@ -89,6 +92,7 @@ def _run(work: Path) -> None:
         MegatronParallel,
         MegatronTrainerEngine,
     )
+    from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
 
     mega = dict(device="cpu", speed=cm.check_speed(), dtype="float32", threads=1,
                 max_tokens_per_microbatch=BUDGET)  # fmt: skip
@@ -105,10 +109,18 @@ def _run(work: Path) -> None:
              or type(m).__name__.endswith(("Experts", "RMSNorm"))}
         )  # fmt: skip
         _train(ref, out, "ref")
-        tags = ["torch"]
+        # activation recompute: each Gated DeltaNet / attention layer run again in the backward
+        full = MegatronParallel(recompute="full")
+        recompute = MegatronTrainerEngine(model, LoraSpec(0), parallel=full, **mega)
+        calls = cm.count_layer_calls(recompute)
+        _train(recompute, out, "recompute")
+        figures[f"{name}/recompute_layer0_calls"] = calls[0]
+        figures["microbatches"] = sum(len(pack_microbatches(list(n), BUDGET)) for n in LENGTHS)
+        del recompute
+        tags = ["torch", "recompute"]
+        group = dict(timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0)
+        cm.start_ray(4)
         if name == "qwen3.5-moe":
-            cm.start_ray(4)
-            group = dict(timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0)
             ep2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(dp=2, ep=2),
                                    **group, **mega)  # fmt: skip
             cm.replay_call(ep2, model, out, "ep2", LENGTHS[0], ADAMS[0], backward=False)
@@ -123,14 +135,35 @@ def _run(work: Path) -> None:
             _train(staged, out, "pp2ep2", save=work / "ckpt_pp2ep2_step1")
             staged.close()
             tags += ["ep2", "pp2ep2"]
-            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2"))
-            figures.update({f"{name}/{k}": v for k, v in r3.items()})
             figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
-            for tag in ("ep2", "pp2ep2"):  # the groups' checkpoints load in one process
-                ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
-                figures[f"{name}/ep1_loads_{tag}_weights_gap"] = cm.weights_gap(
-                    cm.fused_weights(ref), out[f"{tag}/weights0"]
-                )
+        # context parallelism: each rank two chunks of every sequence (the Gated DeltaNet trades
+        # them for half its heads over the CP pair, the gated attention gathers K/V); MoE: dp 2
+        # replicas (idle micro-batches of two tokens a rank), experts split ep 2
+        cp = MegatronParallel(cp=2, dp=2, ep=2) if name == "qwen3.5-moe" else MegatronParallel(cp=2)
+        cp2 = MegatronRayGroup(model, LoraSpec(0), parallel=cp, **group, **mega)
+        if name == "qwen3.5-moe":
+            cm.replay_call(cp2, model, out, "cp2", LENGTHS[0], ADAMS[0], backward=False)
+        _train(cp2, out, "cp2", save=work / "ckpt_cp2_step1")
+        cp2.close()
+        tags.append("cp2")
+        # tensor parallelism: the Gated DeltaNet's key / value heads, the gated attention's query
+        # groups and the MLPs split over the TP pair (sequence parallel); MoE: experts whole, EP
+        # over the same pair
+        tp = MegatronParallel(tp=2, ep=2 if name == "qwen3.5-moe" else 1)
+        tp2 = MegatronRayGroup(model, LoraSpec(0), parallel=tp, **group, **mega)
+        if name == "qwen3.5-moe":
+            cm.replay_call(tp2, model, out, "tp2", LENGTHS[0], ADAMS[0], backward=False)
+        _train(tp2, out, "tp2", save=work / "ckpt_tp2_step1")
+        tp2.close()
+        tags.append("tp2")
+        if name == "qwen3.5-moe":
+            r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2", "cp2", "tp2"))
+            figures.update({f"{name}/{k}": v for k, v in r3.items()})
+        for tag in tags[2:]:  # the groups' checkpoints load in one process
+            ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
+            figures[f"{name}/one_process_loads_{tag}_weights_gap"] = cm.weights_gap(
+                cm.fused_weights(ref), out[f"{tag}/weights0"]
+            )
         figures.update({f"{name}/{k}": v for k, v in cm.run_gaps(out, tags, steps=2).items()})
         figures[f"{name}/weights_moved"] = cm.weights_gap(out["ref/weights1"], out["ref/weights0"])
         del ref

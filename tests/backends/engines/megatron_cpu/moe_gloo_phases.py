@@ -17,6 +17,11 @@ The tiny random Qwen3-MoE (`oneloop/tiny-qwen3-moe`, fp32), the same datums and 
   micro-batches keep the dispatch collectives paired), a checkpoint with the optimizer after
   step 1; `pp2`: the same as a group of two pipeline stages (one MoE layer each); `tp2`: tensor
   parallelism 2 with sequence parallelism, the experts whole and split ep 2 over the TP pair;
+- `cp2`: context parallelism 2 (each rank two chunks of every sequence), ep 2 over the CP pair;
+- `recompute`: the one-process engine with activation recompute (each decoder layer run again in
+  the backward; its first layer's forwards counted); `pp2_recompute`: the two-stage group with
+  recompute, its replayed call's gradient (each backward recomputing after other micro-batches'
+  forwards, with its own forward's replay);
 - `ref` loading the ep = 2 checkpoint: the weights load (experts gathered back into HF form),
   the optimizer state is refused (saved at another layout) before anything loads.
 Loss, logprobs, grad norm and weights after each of two optim_steps go to DIR/figures.json;
@@ -77,8 +82,18 @@ def _run(work: Path) -> None:
     mega = dict(device="cpu", speed=cm.check_speed(), **common)
     sequential = dict(mega, speed=cm.check_speed(grouped_experts=False))
     r3 = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
+    plain_calls = cm.count_layer_calls(r3)
     cm.replay_call(r3, model, out, "ref", LENGTHS[0], ADAMS[0], backward=True)
     del r3
+    # activation recompute: every decoder layer runs again in the backward, R3 replayed there too
+    full = MegatronParallel(recompute="full")
+    r3 = MegatronTrainerEngine(model, LoraSpec(0), parallel=full, **mega)
+    recompute_calls = cm.count_layer_calls(r3)
+    cm.replay_call(r3, model, out, "recompute", LENGTHS[0], ADAMS[0], backward=True)
+    del r3
+    recompute = MegatronTrainerEngine(model, LoraSpec(0), parallel=full, **mega)
+    _train(recompute, out, "recompute")
+    del recompute
     seq = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **sequential)
     _train(seq, out, "sequential")
     del seq
@@ -104,6 +119,13 @@ def _run(work: Path) -> None:
     cm.replay_call(pp2, model, out, "pp2", LENGTHS[0], ADAMS[0], backward=False)  # R3 by stage
     _train(pp2, out, "pp2")  # one MoE layer per stage, the tied output layer on the last
     pp2.close()
+    # recompute under the pipeline schedule: each micro-batch's backward recomputes its layers
+    # after other micro-batches' forwards, with the replay its forward had
+    pp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(pp=2, recompute="full"),
+                           timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0,
+                           **mega)  # fmt: skip
+    cm.replay_call(pp2, model, out, "pp2_recompute", LENGTHS[0], ADAMS[0], backward=True)
+    pp2.close()
     # tensor parallelism: attention split over 2 ranks, sequence parallelism (each rank's MoE
     # layers route half the positions), every expert whole, split ep 2 over the same two ranks
     tp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(tp=2, ep=2),
@@ -112,13 +134,25 @@ def _run(work: Path) -> None:
     cm.replay_call(tp2, model, out, "tp2", LENGTHS[0], ADAMS[0], backward=False)
     _train(tp2, out, "tp2", save=work / "ckpt_tp2_step1")
     tp2.close()
+    # context parallelism: each sequence's two chunks a rank, K/V gathered; each rank routes its
+    # own positions (R3: its positions' records), experts split ep 2 over the CP pair
+    cp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(cp=2, ep=2),
+                           timeout_s=cm.GROUP_TIMEOUT_S, setup=cm.phase_setup(), gpus_per_rank=0,
+                           **mega)  # fmt: skip
+    cm.replay_call(cp2, model, out, "cp2", LENGTHS[0], ADAMS[0], backward=False)
+    _train(cp2, out, "cp2", save=work / "ckpt_cp2_step1")
+    cp2.close()
     figures: dict = {"microbatch_counts_dp2": cm.microbatch_counts(LENGTHS, 2, BUDGET)}
+    figures["layer0_calls"] = {"plain": plain_calls[0], "recompute": recompute_calls[0]}
+    from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
+
+    figures["r3_microbatches"] = len(pack_microbatches(list(LENGTHS[0]), BUDGET))
     try:
         ref.load_state(work / "ckpt_ep2_step1", with_optimizer=True)
         figures["ep1_loads_ep2_optimizer"] = "loaded"
     except ValueError as error:
         figures["ep1_loads_ep2_optimizer"] = str(error)
-    for tag in ("tp2", "ep2"):  # the groups' checkpoints load in one process (ep2's last)
+    for tag in ("tp2", "cp2", "ep2"):  # the groups' checkpoints load in one process (ep2 last)
         ref.load_state(work / f"ckpt_{tag}_step1", with_optimizer=False)
         loaded = cm.fused_weights(ref)
         figures[f"ep1_loads_{tag}_weights_gap"] = cm.weights_gap(loaded, out[f"{tag}/weights0"])
@@ -126,8 +160,10 @@ def _run(work: Path) -> None:
     figures["grouped_experts"] = sorted(
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
-    figures.update(cm.run_gaps(out, ("torch", "ep2", "sequential", "pp2", "tp2"), steps=2))
-    figures.update(cm.r3_gaps(out, ("ref", "ep2", "pp2", "tp2")))
+    runs = ("torch", "ep2", "sequential", "pp2", "tp2", "cp2", "recompute")
+    figures.update(cm.run_gaps(out, runs, steps=2))
+    r3 = ("ref", "ep2", "pp2", "tp2", "cp2", "recompute", "pp2_recompute")
+    figures.update(cm.r3_gaps(out, r3))
     figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
     (work / "figures.json").write_text(json.dumps(figures, indent=1))

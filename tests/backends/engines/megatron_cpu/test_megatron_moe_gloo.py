@@ -4,13 +4,15 @@ moe_gloo_phases.py runs two phases, each in its own process: the torch trainer e
 shims), then the megatron engine at ep = 1 in-process (grouped-GEMM experts, and megatron-core's
 SequentialMLP experts alike), at dp = 2 × ep = 2 as Ray rank actors (each rank holding half of
 every layer's experts, tokens dispatched all-to-all, replicas with unequal micro-batch counts),
-at pp = 2 (two pipeline stages) and at tp = 2 (sequence parallel, experts whole, ep = 2 over the
-TP pair). Over two optim_steps: megatron equals the torch engine (loss, grad norm, logprobs,
+at pp = 2 (two pipeline stages), at tp = 2 (sequence parallel, experts whole, ep = 2 over the
+TP pair) and at cp = 2 (each rank two chunks of every sequence, ep = 2 over the CP pair). Over two optim_steps: megatron equals the torch engine (loss, grad norm, logprobs,
 weights), and ep = 2, pp = 2 and tp = 2 equal ep = 1; the ep = 2 checkpoint's
 weights (experts gathered back to HF form) load at ep = 1 and its optimizer state is refused
 there, naming the layouts. Routing replay (R3): a call whose datums carry recorded experts
-computes with them on the megatron engine as on the torch engine, at ep = 1, ep = 2, pp = 2 and
-tp = 2.
+computes with them on the megatron engine as on the torch engine, at ep = 1, ep = 2, pp = 2,
+tp = 2 and cp = 2. Activation recompute (`local.megatron.recompute: full`) runs every layer again in the
+backward and changes nothing: the same figures at ep = 1, and the same replayed gradient at ep = 1
+and across two pipeline stages (each backward recomputing with its own forward's replay).
 """
 
 import json
@@ -32,8 +34,9 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
     assert figures["ref_weights_moved"] > 1e-4, figures
     assert figures["expert_tensors"] == 4, figures  # 2 layers × (gate_up, down) in module layout
     assert figures["grouped_experts"] == ["GroupedExperts"], figures  # the default speed switch
-    # sequential: megatron-core's SequentialMLP; pp2: two pipeline stages; tp2: TP + SP, EP 2
-    for tag in ("torch", "ep2", "sequential", "pp2", "tp2"):
+    # sequential: megatron-core's SequentialMLP; pp2: two pipeline stages; tp2: TP + SP, EP 2;
+    # recompute: every layer recomputed in the backward
+    for tag in ("torch", "ep2", "sequential", "pp2", "tp2", "cp2", "recompute"):
         for step in range(2):
             assert figures[f"{tag}_loss{step}_rel_gap"] < 1e-6, (tag, step, figures)
             assert figures[f"{tag}_grad_norm{step}_rel_gap"] < 1e-5, (tag, step, figures)
@@ -47,7 +50,7 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
     # engine: logprobs, loss, grad norm and the routing metrics (positions replayed, positions
     # whose own experts differ, the gap to the sampler's logprobs with and without replay).
     # pp2: each stage replays its own layers' records; tp2: each TP rank its positions' records
-    for tag in ("ref", "ep2", "pp2", "tp2"):
+    for tag in ("ref", "ep2", "pp2", "tp2", "cp2", "recompute", "pp2_recompute"):
         assert figures[f"{tag}_r3_logprob_gap"] < 2e-5, (tag, figures)
         assert figures[f"{tag}_r3_loss_rel_gap"] < 1e-6, (tag, figures)
         positions, torch_positions = figures[f"{tag}_r3_positions"]
@@ -56,10 +59,16 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
         for name in ("gap_tokens", "gap_replay", "gap_free"):
             mine, theirs = figures[f"{tag}_r3_{name}"]
             assert abs(mine - theirs) <= 1e-4 * abs(theirs), (tag, name, figures)
-    assert figures["ref_r3_grad_norm_rel_gap"] < 1e-5, figures
+    for tag in ("ref", "recompute", "pp2_recompute"):  # the replayed call's gradient
+        assert figures[f"{tag}_r3_grad_norm_rel_gap"] < 1e-5, (tag, figures)
+    # recompute ran: the first decoder layer's forwards, one more per micro-batch (its
+    # recomputation in the backward) than without (the forward and R3's free pass)
+    calls, microbatches = figures["layer0_calls"], figures["r3_microbatches"]
+    assert calls["plain"] == 2 * microbatches and calls["recompute"] == 3 * microbatches, figures
     assert figures["ref_r3_gap_replay"][0] != figures["ref_r3_gap_free"][0], figures  # replayed
     assert figures["ep1_loads_ep2_weights_gap"] == 0.0, figures
     assert figures["ep1_loads_tp2_weights_gap"] == 0.0, figures
+    assert figures["ep1_loads_cp2_weights_gap"] == 0.0, figures
     refused = figures["ep1_loads_ep2_optimizer"]
     assert "dp=2 ep=2" in refused and "dp=1 ep=1" in refused, refused
     assert figures["optimizer_files"] == [

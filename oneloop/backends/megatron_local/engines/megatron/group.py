@@ -7,8 +7,8 @@ torch.distributed world (NCCL on GPU, gloo on CPU); every rank joins Megatron's 
 those sizes, placed in Megatron's rank order (`parallel.pp_plan.rank_coords`); `rank_engine_class`
 picks the class each rank runs (`parallel.tp.MegatronTpRank` for TP and DP, `parallel.lora_tp.
 MegatronLoraTpRank` for LoRA at TP, `parallel.pp.MegatronPpRank` for pipeline stages,
-`parallel.cp_rank.MegatronCpRank` for context parallelism; MoE at tp > 1 runs the PP rank class
-as one stage).
+`parallel.cp_rank.MegatronCpRank` for context parallelism; MoE and the hybrids at tp > 1 run the
+PP rank class as one stage).
 
 `MegatronRayGroup` keeps the single-engine contract of `engines.base.TrainerEngine` for the trainer
 actor that holds it (the actor itself holds no GPU: the ranks do): every call goes to every rank

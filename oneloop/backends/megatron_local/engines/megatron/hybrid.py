@@ -33,8 +33,11 @@ training; experts stored fused are split per expert) and `checkpoint_weights` wr
 weights back under the same names (experts per expert, as transformers saves them).
 
 Pipeline stages (`parallel.pp`): each stage builds its slice of the layer pattern (`block_spec`).
-Limits, refused naming the field (`moe.check_engine_layout`): tp = cp = 1 (the GDN tensors shard
-by section under TP, which `parallel.shard` does not map yet), no LoRA, no TE spec.
+Tensor parallelism (`parallel.tp`, with sequence parallelism): megatron-core's GatedDeltaNet splits
+its key / value heads over the TP ranks (in_proj and conv1d by section, `moe.tp_sections`; A_log,
+dt_bias by head; out_proj by row), the gated attention its query groups, the shared expert and the
+dense MLP their width; the routed experts stay whole (expert TP 1). Limits, refused naming the
+field (`moe.check_engine_layout`): cp = 1, no LoRA, no TE spec.
 """
 
 from typing import Any
@@ -69,19 +72,21 @@ def transformer_fields(
 ) -> dict[str, Any]:
     """The `TransformerConfig` fields of a MoE and / or hybrid model's layers besides the
     attention's (none for a dense model, `shape` None); `parallel`: the engine's
-    `MegatronParallel`. MoE at tp > 1: sequence parallelism (megatron-core trains MoE layers
-    under TP only with it) and each expert whole on its rank (expert TP 1: the experts map as at
-    tp = 1)."""
+    `MegatronParallel`. At tp > 1: sequence parallelism (megatron-core trains MoE layers under TP
+    only with it; on a hybrid it also sums the replicated norms' gradients over TP, the Gated
+    DeltaNet's output norm included, whose heads are split) and each expert whole on its rank
+    (expert TP 1: the experts map as at tp = 1)."""
     out: dict[str, Any] = {}
-    if shape is not None and shape.experts:
+    if shape is None:
+        return out
+    if shape.experts:
         out.update(moe.transformer_config_kwargs(shape), expert_model_parallel_size=parallel.ep)
         if parallel.tp > 1:
-            out.update(
-                sequence_parallel=True,
-                tensor_model_parallel_size=parallel.tp,  # what megatron-core's SP check reads
-                expert_tensor_parallel_size=1,
-            )
-    if shape is not None and shape.model_type in HYBRID_MODEL_TYPES:
+            out.update(expert_tensor_parallel_size=1)
+    if parallel.tp > 1:
+        # what megatron-core's SP check reads
+        out.update(sequence_parallel=True, tensor_model_parallel_size=parallel.tp)
+    if shape.model_type in HYBRID_MODEL_TYPES:
         out.update(_hybrid_fields(shape, cpu))
     return out
 

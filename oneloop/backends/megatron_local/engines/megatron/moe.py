@@ -334,39 +334,80 @@ def expert_shard(
     return out
 
 
+def tp_sections(shape: HybridShape) -> dict[str, list[int]]:
+    """The row sections of a Gated DeltaNet's fused tensors (`parallel.shard`'s table): each
+    TP rank holds its share of every section, as megatron-core's GatedDeltaNet splits them."""
+    kd, vd = shape.linear_k_heads * shape.linear_k_dim, shape.linear_v_heads * shape.linear_v_dim
+    heads = shape.linear_v_heads
+    return {
+        "self_attention.in_proj.weight": [kd, kd, vd, vd, heads, heads],
+        "self_attention.conv1d.weight": [kd, kd, vd],
+    }
+
+
+def check_tp(shape: HybridShape, tp: int) -> None:
+    """Raise ValueError naming the config figures `tp` does not divide: the attention's heads and
+    KV groups, the vocabulary, a Gated DeltaNet's key and value heads, a shared expert's width,
+    a dense MLP's width (Megatron splits each evenly over the TP ranks; experts stay whole)."""
+    if tp == 1:
+        return
+    figures = {
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.vocab,
+        "shared_expert_intermediate_size": shape.shared_ffn,
+    }
+    if "linear_attention" in shape.layer_types:
+        figures.update(
+            linear_num_key_heads=shape.linear_k_heads, linear_num_value_heads=shape.linear_v_heads
+        )
+    if not shape.experts:
+        figures["intermediate_size"] = shape.ffn
+    bad = {k: v for k, v in figures.items() if v % tp}
+    if bad:
+        raise ValueError(
+            f"local.megatron.tp={tp} must divide the model's {bad} (Megatron splits heads, KV "
+            "groups, the vocabulary, the Gated DeltaNet heads and the dense and shared-expert MLPs "
+            "evenly over tensor-parallel ranks; each expert stays whole)"
+        )
+
+
 def check_engine_layout(
     shape: HybridShape, *, tp: int, pp: int, cp: int, ep: int, dp: int, lora_rank: int
 ) -> None:
-    """What the megatron engine builds for a MoE or hybrid model, else CapabilityError naming the
-    field: pipeline stages (`parallel.pp`); tensor parallelism of Qwen3-MoE's attention with
-    sequence parallelism, each expert kept whole (expert TP 1); experts split by `ep` over the
-    ranks of each stage's tp · dp block (ep divides tp · dp); no TP of the Gated DeltaNet hybrids,
-    no CP, no LoRA on these layers."""
+    """What the megatron engine builds for a MoE or hybrid model, else CapabilityError (or
+    ValueError for sizes that do not divide) naming the field: pipeline stages (`parallel.pp`);
+    tensor parallelism with sequence parallelism, each expert kept whole (expert TP 1); context
+    parallelism at tp = 1 (`parallel.cp_rank`; a Gated DeltaNet splits its heads over the CP
+    group); experts split by `ep` over the ranks of each stage's tp · cp · dp block; no LoRA on
+    these layers."""
     from oneloop.errors import CapabilityError
 
     shape.check_ep(ep)
-    hybrid = shape.model_type in HYBRID_MODEL_TYPES
-    refused = [
-        (f"local.megatron.{name}={size}", why)
-        for name, size, why, applies in (
-            ("tp", tp, "the Gated DeltaNet tensors' TP shards are not mapped yet; split the "
-             "model with pp and ep instead", hybrid),
-            ("cp", cp, "context parallelism runs the dense families' attention only", True),
-        )
-        if size > 1 and applies
-    ]
-    if lora_rank > 0:
-        refused.append((f"model.lora_rank={lora_rank}", "LoRA adapters on MoE and hybrid layers "
-                        "are not built on the megatron engine (the torch engine trains them)"))
-    if ep > 1 and (tp * dp) % ep:
-        refused.append((f"local.megatron.ep={ep}", f"expert-parallel ranks are carved out of "
-                        f"each stage's tp · dp = {tp * dp} ranks; ep must divide it"))
-    if refused:
-        field, why = refused[0]
-        raise CapabilityError(
-            f"{field} with the {'MoE' if shape.experts else 'hybrid'} model "
-            f"{shape.model_type!r} on trainer_engine=megatron: {why}"
-        )
+    check_tp(shape, tp)
+    refusals = (
+        (cp > 1 and tp > 1, f"local.megatron.cp={cp}", f"context parallelism with tp={tp} is not "
+         "built for these layers; use cp with tp = 1, or tp alone"),
+        (lora_rank > 0, f"model.lora_rank={lora_rank}", "LoRA adapters on MoE and hybrid "
+         "layers are not built on the megatron engine (the torch engine trains them)"),
+        (ep > 1 and (tp * cp * dp) % ep, f"local.megatron.ep={ep}", "expert-parallel ranks are "
+         f"carved out of each stage's tp · cp · dp = {tp * cp * dp} ranks; ep must divide it"),
+    )  # fmt: skip
+    for refused, field, why in refusals:
+        if refused:
+            raise CapabilityError(
+                f"{field} with the {'MoE' if shape.experts else 'hybrid'} model "
+                f"{shape.model_type!r} on trainer_engine=megatron: {why}"
+            )
+    if cp > 1 and "linear_attention" in shape.layer_types:
+        heads = {"linear_num_key_heads": shape.linear_k_heads,
+                 "linear_num_value_heads": shape.linear_v_heads}  # fmt: skip
+        bad = {k: v for k, v in heads.items() if v % cp}
+        if bad:
+            raise ValueError(
+                f"local.megatron.cp={cp} must divide the model's {bad} (the Gated DeltaNet "
+                "trades its sequence chunks for heads over the CP group)"
+            )
 
 
 def expert_index(name: str) -> tuple[str, int, str] | None:
@@ -427,8 +468,7 @@ def gather_experts(
     group = parallel_state.get_expert_model_parallel_group()
     torch.distributed.all_gather(every, flat, group=group)
     per_rank = [
-        dict(zip(names, torch._utils._unflatten_dense_tensors(f, mine), strict=True))
-        for f in every
+        dict(zip(names, torch._utils._unflatten_dense_tensors(f, mine), strict=True)) for f in every
     ]
     per_rank[0].update({n: t for n, t in params.items() if n not in per_rank[0]})
     return unshard_experts(shape, per_rank)

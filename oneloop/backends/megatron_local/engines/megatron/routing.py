@@ -13,8 +13,14 @@ and keeps its instances in one process-wide list, so it is not used.
 megatron-core routes the tokens of a micro-batch sequence-major ([positions, rows] flattened); the
 datums' routing arrays (`DatumArrays.routing`, int [positions, MoE layers, top-k]) are laid out
 that way here. The checks and the `routing/...` metrics are the torch engine's
-(`engines.torch.routing.check_routing`, `replay_metrics`).
+(`engines.torch.routing.check_routing`, `replay_metrics`). Under activation recompute
+(`local.megatron.recompute`) the backward runs each layer's router again: the one-process engine
+runs the backward inside the micro-batch's replay; a pipeline schedule queues each forward's
+replay for its recomputation (`schedule_replay`).
 """
+
+import collections
+import contextlib
 
 import torch
 
@@ -42,6 +48,47 @@ class _LayerReplay:
         return torch.where(replay, scores.gather(1, chosen), values), chosen
 
 
+class _ScheduleReplay:
+    """A router's replay for one run of a pipeline schedule under activation recompute. The
+    schedule runs a micro-batch's backward after later micro-batches' forwards, outside the
+    replay that was installed for its forward, and recompute runs the router again there: each
+    checkpointed forward's replay (or None: free routing) is queued, and each recomputation takes
+    the oldest (1F1B runs the backwards in forward order), so the recomputed layer routes as its
+    forward did. `current`: the replay of the micro-batch whose forward runs now."""
+
+    def __init__(self) -> None:
+        self.current: _LayerReplay | None = None
+        self.queued: collections.deque = collections.deque()
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                        default_compute_topk=None):  # fmt: skip
+        from megatron.core.tensor_parallel.random import is_checkpointing
+
+        layer = self.current
+        if is_checkpointing():
+            if torch.is_grad_enabled():  # the backward's recomputation (the forward: no grad)
+                layer = self.queued.popleft()
+            else:
+                self.queued.append(layer)
+        if layer is None:
+            return default_compute_topk(scores, topk, num_groups, group_topk)
+        return layer.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+
+@contextlib.contextmanager
+def schedule_replay(module: torch.nn.Module, recompute: bool):
+    """Within `with`: a pipeline schedule's routers keep each micro-batch's replay for its
+    recomputation (`_ScheduleReplay`; `recompute` False: nothing to keep)."""
+    routers = moe_routers(module) if recompute else []
+    for router in routers:
+        router.router_replay = _ScheduleReplay()
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.router_replay = None
+
+
 def moe_routers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's megatron-core top-k routers in layer order (empty for a dense model)."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -61,6 +108,7 @@ class MegatronRouterReplay:
         seq: int,
         stage: range | None = None,
         shard: tuple[int, int] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> None:
         if not routers:
             raise ValueError(
@@ -88,6 +136,10 @@ class MegatronRouterReplay:
         if shard is not None:  # sequence parallelism: this TP rank's slice of the positions
             rank, size = shard
             self.forced = self.forced.reshape(size, -1, layers, k)[rank]
+        if positions is not None:  # context parallelism: this CP rank's positions
+            rows = len(data)
+            by_position = self.forced.reshape(seq, rows, layers, k)
+            self.forced = by_position[positions.cpu()].reshape(-1, layers, k)
         self.routers = routers
         self._layers = [_LayerReplay(self.forced[:, i]) for i in range(layers)]
 
@@ -97,12 +149,18 @@ class MegatronRouterReplay:
 
     def __enter__(self) -> "MegatronRouterReplay":
         for router, layer in zip(self.routers, self._layers, strict=True):
-            router.router_replay = layer
+            if isinstance(router.router_replay, _ScheduleReplay):  # a schedule under recompute
+                router.router_replay.current = layer
+            else:
+                router.router_replay = layer
         return self
 
     def __exit__(self, *exc: object) -> None:
         for router in self.routers:
-            router.router_replay = None
+            if isinstance(router.router_replay, _ScheduleReplay):
+                router.router_replay.current = None
+            else:
+                router.router_replay = None
 
 
 def replay(
@@ -111,14 +169,16 @@ def replay(
     seq: int,
     stage: range | None = None,
     shard: tuple[int, int] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> MegatronRouterReplay | None:
     """The replay of one micro-batch (padded to `seq`), None when no datum carries routing.
     `stage`: the decoder layers `module` holds (a pipeline stage's), None: every layer; `shard`:
     (TP rank, tp) under sequence parallelism (each TP rank routes a contiguous slice of the
-    sequence-major tokens), None: every token."""
+    sequence-major tokens); `positions`: the positions a context-parallel rank holds (its
+    chunks, in its order); None: every token."""
     if all(d.routing is None for d in data):
         return None
-    return MegatronRouterReplay(moe_routers(module), data, seq, stage, shard)
+    return MegatronRouterReplay(moe_routers(module), data, seq, stage, shard, positions)
 
 
 def free_pass(data: list[DatumArrays]) -> bool:

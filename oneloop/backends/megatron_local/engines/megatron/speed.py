@@ -42,7 +42,7 @@ Not available without TE/APEX, so not here: RoPE fusion (TE), gradient-accumulat
 """
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -270,3 +270,17 @@ def logprobs_processor(speed: MegatronSpeed, targets: torch.Tensor, device: torc
         chunk_rows=speed.logprob_chunk_rows,
         compiled=speed.compile_logprobs and device.type == "cuda",
     )
+
+
+def recompute_fields(recompute: str) -> dict[str, Any]:
+    """`TransformerConfig` fields of `local.megatron.recompute` (memory for compute, not a speed
+    switch: `full` recomputes every decoder layer in the backward from its saved input)."""
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    raise ValueError(f"local.megatron.recompute={recompute!r}: expected 'none' or 'full'")

@@ -21,8 +21,8 @@ step), so the loop, the clients and `oneloop serve` cannot tell the engines apar
   each rank (one pipeline stage, Megatron's schedule); CP > 1: `parallel.cp_rank.MegatronCpRank`
   is each rank (tp × cp; K/V all-gathered over the CP group into our SDPA attention, no TE).
   EP > 1 (MoE, cp = 1, no LoRA: `moe.check_engine_layout`): each layer's experts split over the
-  tp · dp ranks of each stage, tokens dispatched all-to-all (MoE at tp > 1: sequence parallel,
-  experts whole, the PP rank class as one stage); replicas with fewer
+  tp · dp ranks of each stage, tokens dispatched all-to-all (MoE and hybrids at tp > 1: sequence
+  parallel, experts whole, the PP rank class as one stage); replicas with fewer
   micro-batches run idle ones (one token, no loss): each dispatch is an EP-group collective. R3:
   `megatron.routing` replays a datum's recorded experts.
 - Optimizer: Megatron DDP + `get_megatron_optimizer` (fp32 main params, distributed optimizer,
@@ -94,6 +94,7 @@ class MegatronParallel:
     dp: int = 1
     use_distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
+    recompute: str = "none"  # "full": every decoder layer recomputed in the backward
 
 
 def _te_available() -> bool:
@@ -227,6 +228,7 @@ class MegatronTrainerEngine(TrainerEngine):
             use_cpu_initialization=self.device.type != "cuda",
             # DP: Megatron's DDP sums the replicas' gradients instead of averaging (Tinker's sums)
             calculate_per_token_loss=self.parallel.dp > 1,
+            **megatron_speed.recompute_fields(self.parallel.recompute),
             **hybrid.transformer_fields(
                 self.moe, self.moe_settings, self.parallel, cpu=self.device.type == "cpu"
             ),
@@ -463,14 +465,19 @@ class MegatronTrainerEngine(TrainerEngine):
     def _idle_microbatch(self, forward_only: bool, passes: int) -> None:
         """Forward (and backward) one token with no loss, then `passes` − 1 no-grad forwards: a
         replica with fewer micro-batches than the others of its EP group joins their dispatches."""
-        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        tokens, positions = self._idle_tokens()
         with torch.set_grad_enabled(not forward_only):
-            logits = self.model(input_ids=one, position_ids=one, attention_mask=None)
+            logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=None)
             if not forward_only:
                 (logits.float().sum() * 0.0).backward()
         with torch.no_grad():
             for _ in range(passes - 1):
-                self.model(input_ids=one, position_ids=one, attention_mask=None)
+                self.model(input_ids=tokens, position_ids=positions, attention_mask=None)
+
+    def _idle_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An idle micro-batch's token ids and positions (one token; CP: `parallel.cp_rank`)."""
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        return one, one
 
     def optim_step(self, adam_params: dict[str, float]) -> dict[str, float]:
         lr = float(adam_params["learning_rate"])

@@ -17,6 +17,11 @@ shard their weights and vocabulary as TP ranks do):
   rank 0) are the cp = 1 engine's computation on the same values;
 - RoPE: Megatron's (it slices its tables with the same chunk layout) or, with `fused_rope`, ours
   at the global positions;
+- MoE and the Gated DeltaNet hybrids (tp = 1): each rank routes its own positions, experts split
+  by ep over the cp · dp ranks; R3 replays this rank's positions' records (`megatron.routing`),
+  its replayed / differing counts summed over the CP group; a replica with fewer micro-batches
+  runs idle ones of two tokens a rank (one per chunk). megatron-core's GatedDeltaNet trades the
+  sequence chunks for heads over the CP group (all-to-all) and back;
 - checkpoint: global rank 0 writes the HF weights; every rank writes its own optimizer shard
   (`optimizer.tp{T}.cp{C}.rank{R}.pt`, the distributed optimizer shards over DP×CP), resumable at
   the same tp and cp only.
@@ -25,6 +30,7 @@ Refused with the reason: LoRA (adapters under CP untested), pp > 1 together with
 losses (`losses.SEQUENCE_LEVEL_LOSSES`: gspo's ratio is a mean over a whole datum).
 """
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -33,6 +39,7 @@ import torch
 
 from oneloop.backends.megatron_local import losses
 from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec
+from oneloop.backends.megatron_local.engines.megatron import routing as megatron_routing
 from oneloop.backends.megatron_local.engines.megatron import speed as megatron_speed
 from oneloop.backends.megatron_local.engines.megatron.parallel.cp import (
     cp_attention,
@@ -44,6 +51,7 @@ from oneloop.backends.megatron_local.engines.megatron.parallel.cp import (
 from oneloop.backends.megatron_local.engines.megatron.parallel.tp import MegatronTpRank
 from oneloop.backends.megatron_local.engines.megatron.trainer import MegatronParallel
 from oneloop.backends.megatron_local.engines.microbatch import padded_arrays
+from oneloop.backends.megatron_local.engines.torch.routing import routing_counts, sampler_gaps
 from oneloop.errors import CapabilityError
 
 
@@ -168,22 +176,41 @@ class MegatronCpRank(MegatronTpRank):
         mask_t = full_mask[:, mine.to(dev)]
         inputs_t = {k: v[:, mine.to(dev)] for k, v in full_inputs.items()}
         positions = mine.to(dev).unsqueeze(0).expand(batch, -1)
-        with torch.set_grad_enabled(not forward_only):
-            if megatron_speed.fused_logprobs_applies(self.speed, self.module, self.parallel.tp):
-                target_lp = self.model(
-                    input_ids=tokens_t,
-                    position_ids=positions,
-                    attention_mask=None,
-                    output_processor=megatron_speed.logprobs_processor(self.speed, targets_t, dev),
-                )
-            else:
-                logits = self.model(input_ids=tokens_t, position_ids=positions, attention_mask=None)
-                target_lp = self._target_logprobs(logits, targets_t)
+        # R3 (MoE): this rank's positions' recorded experts; the backward runs inside the replay
+        replay = megatron_routing.replay(self.module, data, seq, positions=mine)
+        with torch.set_grad_enabled(not forward_only), replay or contextlib.nullcontext():
+            target_lp = self._logprobs(tokens_t, targets_t, positions)
             if not forward_only:  # this rank's part of the summed loss
                 losses.compute_loss(loss_fn, target_lp, inputs_t, mask_t, config).loss.backward()
         full_lp = gather_rows(target_lp.detach().float(), self._cp_group())
         with torch.no_grad():
             result = losses.compute_loss(loss_fn, full_lp, full_inputs, full_mask, config)
+        if replay is not None:
+            local = (tokens_t, targets_t, positions)
+            figures = self._routing_figures(replay, full_inputs, full_mask, full_lp, local)
+            result.metrics.update(figures)
         return result, full_lp.cpu().numpy()
+
+    def _routing_figures(self, replay, inputs, mask, full_lp, local) -> dict[str, float]:
+        """R3's figures of one micro-batch: every CP rank's replayed and differing pairs summed
+        over the CP group, and with sampler logprobs the gaps with replay and without (a no-grad
+        forward of every rank's chunks, gathered)."""
+        counts = routing_counts(replay.forced, replay.natural)
+        keys = sorted(counts)
+        summed = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
+        torch.distributed.all_reduce(summed, group=self._cp_group())
+        figures = dict(zip(keys, summed.tolist(), strict=True))
+        if "logprobs" in inputs:
+            with torch.no_grad():
+                free = gather_rows(self._logprobs(*local).float(), self._cp_group())
+            figures.update(sampler_gaps(inputs, mask, full_lp))
+            figures.update(sampler_gaps(inputs, mask, free, key="routing/gap_free:sum"))
+        return figures
+
+    def _idle_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An idle micro-batch (EP: a replica with fewer micro-batches joins the dispatches):
+        one token in each of this rank's two chunks, at their global positions."""
+        mine = rank_positions(2 * self.cp, self.cp, self.cp_rank, self.device)
+        return torch.zeros((1, 2), dtype=torch.long, device=self.device), mine.unsqueeze(0)
 
     # -- checkpoint (one weights file, one optimizer shard per global rank) -----------------------

@@ -6,7 +6,8 @@ Every rank runs the same calls in the same order; what differs from the one-proc
   `post_process` on the last: final norm + output layer; Megatron builds the stage's
   L/pp layers; a hybrid its slice of the layer pattern, `hybrid.block_spec`). Import gives the
   stage its layers by the layer-number offset (`parallel.pp_plan.stage_parts`), each TP rank its
-  shard (`parallel.shard`), each EP rank its experts (`moe.to_megatron_rank`). Tied embeddings:
+  shard (`parallel.shard`; a hybrid's Gated DeltaNet by section), each EP rank its experts
+  (`moe.to_megatron_rank`). Tied embeddings:
   the last stage holds a copy of the embedding as its output layer, kept equal the way
   megatron-core does: both gradients summed over the embedding group (`finalize_model_grads`).
 - forward_backward: the token-budget micro-batches of `run_microbatches`' packing go through
@@ -40,6 +41,7 @@ import torch
 
 from oneloop.backends.megatron_local import losses
 from oneloop.backends.megatron_local.engines.base import DatumArrays, ForwardResult, LoraSpec
+from oneloop.backends.megatron_local.engines.megatron import moe as megatron_moe
 from oneloop.backends.megatron_local.engines.megatron import routing as megatron_routing
 from oneloop.backends.megatron_local.engines.megatron import speed as megatron_speed
 from oneloop.backends.megatron_local.engines.megatron.data_parallel import (
@@ -125,8 +127,8 @@ class MegatronPpRank(MegatronTrainerEngine):
             pipeline_model_parallel_size=self.pp,
             variable_seq_lengths=True,  # micro-batches differ in rows and length
             calculate_per_token_loss=True,  # the schedule keeps our SUM loss as is
-            # a dense model: only to pass megatron-core's MoE check (MoE: `moe.MoeSettings`'s)
-            **({} if self.moe else {"moe_token_dispatcher_type": "alltoall"}),
+            # without experts: only to pass megatron-core's MoE check (MoE: `moe.MoeSettings`'s)
+            **({} if self.moe and self.moe.experts else {"moe_token_dispatcher_type": "alltoall"}),
         )
 
     def _stage(self) -> dict[str, bool]:
@@ -134,7 +136,11 @@ class MegatronPpRank(MegatronTrainerEngine):
 
     def _local_parts(self, mapped: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         stage = stage_parts(mapped, self.layers, self.first, self.last, self.shape.tied)
-        return shard_all(stage, self.tp, self.coords.tp_rank)
+        return shard_all(stage, self.tp, self.coords.tp_rank, self._tp_sections())
+
+    def _tp_sections(self) -> dict[str, list[int]] | None:
+        """The Gated DeltaNet's fused tensors' row sections (hybrids), split by section."""
+        return megatron_moe.tp_sections(self.moe) if self.shape.hybrid else None
 
     def _padded_length(self, longest: int) -> int:
         """Sequence parallelism (MoE at tp > 1) splits each micro-batch's positions over the TP
@@ -254,7 +260,13 @@ class MegatronPpRank(MegatronTrainerEngine):
             return output, loss
 
         longest = max((len(d.tokens) for g in groups for d in g), default=1)
-        with torch.set_grad_enabled(not forward_only):
+        recompute = self.config.recompute_granularity is not None  # R3 again in the backward
+        with (
+            torch.set_grad_enabled(not forward_only),
+            megatron_routing.schedule_replay(
+                self.module, recompute and any(r is not None for r in replays)
+            ),
+        ):
             get_forward_backward_func()(
                 forward_step_func=step,
                 data_iterator=batches,
@@ -315,7 +327,7 @@ class MegatronPpRank(MegatronTrainerEngine):
             if self.tp > 1 and tp_kind(name) != REPLICATED:
                 parts = [torch.empty_like(part) for _ in range(self.tp)]
                 torch.distributed.all_gather(parts, part.contiguous(), group=tp_group)
-                part = gather(name, parts)
+                part = gather(name, parts, self._tp_sections())
             local[name] = part
         if self.coords.tp_rank != 0 or self.coords.dp_rank != 0:
             return {}
