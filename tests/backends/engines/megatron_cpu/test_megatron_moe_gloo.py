@@ -5,14 +5,15 @@ shims), then the megatron engine at ep = 1 in-process (grouped-GEMM experts, and
 SequentialMLP experts alike), at dp = 2 × ep = 2 as Ray rank actors (each rank holding half of
 every layer's experts, tokens dispatched all-to-all, replicas with unequal micro-batch counts),
 at pp = 2 (two pipeline stages), at tp = 2 (sequence parallel, experts whole, ep = 2 over the
-TP pair) and at cp = 2 (each rank two chunks of every sequence, ep = 2 over the CP pair). Over two optim_steps: megatron equals the torch engine (loss, grad norm, logprobs,
-weights), and ep = 2, pp = 2 and tp = 2 equal ep = 1; the ep = 2 checkpoint's
-weights (experts gathered back to HF form) load at ep = 1 and its optimizer state is refused
-there, naming the layouts. Routing replay (R3): a call whose datums carry recorded experts
-computes with them on the megatron engine as on the torch engine, at ep = 1, ep = 2, pp = 2,
-tp = 2 and cp = 2. Activation recompute (`local.megatron.recompute: full`) runs every layer again in the
-backward and changes nothing: the same figures at ep = 1, and the same replayed gradient at ep = 1
-and across two pipeline stages (each backward recomputing with its own forward's replay).
+TP pair) and at cp = 2 (each rank two chunks of every sequence, ep = 2 over the CP pair). Over
+two optim_steps: megatron equals the torch engine (loss, grad norm, logprobs, weights), and
+ep = 2, pp = 2, tp = 2 and cp = 2 equal ep = 1; the ep = 2 checkpoint's weights (experts gathered
+back to HF form) load at ep = 1 and its optimizer state is refused there, naming the layouts.
+Routing replay (R3): a call whose datums carry recorded experts computes with them on the
+megatron engine as on the torch engine, at ep = 1, ep = 2, pp = 2, tp = 2 and cp = 2. Activation
+recompute (`local.megatron.recompute: full`) runs every layer again in the backward and changes
+nothing: the same figures at ep = 1, and the same replayed gradient at ep = 1 and across two
+pipeline stages (each backward recomputing with its own forward's replay).
 """
 
 import json
