@@ -136,26 +136,24 @@ def _run(work: Path) -> None:
             staged.close()
             tags += ["ep2", "pp2ep2"]
             figures[f"{name}/microbatch_counts_dp2"] = cm.microbatch_counts(LENGTHS, 2, BUDGET)
-        # context parallelism: each rank two chunks of every sequence (the Gated DeltaNet trades
-        # them for half its heads over the CP pair, the gated attention gathers K/V); MoE: dp 2
-        # replicas (idle micro-batches of two tokens a rank), experts split ep 2
-        cp = MegatronParallel(cp=2, dp=2, ep=2) if name == "qwen3.5-moe" else MegatronParallel(cp=2)
-        cp2 = MegatronRayGroup(model, LoraSpec(0), parallel=cp, **group, **mega)
-        if name == "qwen3.5-moe":
-            cm.replay_call(cp2, model, out, "cp2", LENGTHS[0], ADAMS[0], backward=False)
-        _train(cp2, out, "cp2", save=work / "ckpt_cp2_step1")
-        cp2.close()
-        tags.append("cp2")
-        # tensor parallelism: the Gated DeltaNet's key / value heads, the gated attention's query
-        # groups and the MLPs split over the TP pair (sequence parallel); MoE: experts whole, EP
-        # over the same pair
-        tp = MegatronParallel(tp=2, ep=2 if name == "qwen3.5-moe" else 1)
-        tp2 = MegatronRayGroup(model, LoraSpec(0), parallel=tp, **group, **mega)
-        if name == "qwen3.5-moe":
-            cm.replay_call(tp2, model, out, "tp2", LENGTHS[0], ADAMS[0], backward=False)
-        _train(tp2, out, "tp2", save=work / "ckpt_tp2_step1")
-        tp2.close()
-        tags.append("tp2")
+        moe = name == "qwen3.5-moe"
+        layouts = {
+            # context parallelism: each rank two chunks of every sequence (the Gated DeltaNet
+            # trades them for half its heads over the CP pair, the gated attention gathers K/V);
+            # MoE: dp 2 replicas (idle micro-batches of two tokens a rank), experts split ep 2
+            "cp2": MegatronParallel(cp=2, dp=2, ep=2) if moe else MegatronParallel(cp=2),
+            # tensor parallelism: the Gated DeltaNet's key / value heads, the gated attention's
+            # query groups and the MLPs split over the TP pair (sequence parallel); MoE: experts
+            # whole, EP over the same pair
+            "tp2": MegatronParallel(tp=2, ep=2 if moe else 1),
+        }
+        for tag, parallel in layouts.items():
+            ranks = MegatronRayGroup(model, LoraSpec(0), parallel=parallel, **group, **mega)
+            if moe:
+                cm.replay_call(ranks, model, out, tag, LENGTHS[0], ADAMS[0], backward=False)
+            _train(ranks, out, tag, save=work / f"ckpt_{tag}_step1")
+            ranks.close()
+            tags.append(tag)
         if name == "qwen3.5-moe":
             r3 = cm.r3_gaps(out, ("ref", "ep2", "pp2ep2", "cp2", "tp2"))
             figures.update({f"{name}/{k}": v for k, v in r3.items()})
