@@ -1,8 +1,11 @@
 """A run stopped twice between checkpoints, then resumed: first by SIGTERM mid-step (a
 scheduler's preemption), then by kill -9. SIGTERM ends the process within 60 s with status 143,
 its Ray processes gone and every logged step checkpointed; after both, `--resume` loses no task,
-trains none twice, and each step it redoes has the loss of an uninterrupted run with the same
-seed (S = 0, deterministic settings)."""
+trains none twice, and each step it redoes has the loss and tokens of an uninterrupted run with
+the same seed (S = 0, deterministic settings), and its final weights bit for bit. The tiny model
+solves no task here, so every reward and RL loss is 0: a 2-step SFT warm start leaves Adam's
+moments nonzero, so every RL step still moves the weights, and the weights carry the comparison
+(restored weights and optimizer state, each step applied once)."""
 
 import json
 import os
@@ -11,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -27,7 +31,8 @@ DETERMINISTIC = [
     "agent.max_tokens_per_turn=12",
     "checkpoint.every_steps=1",
     "logging.console=false",
-    "sft=null",
+    "sft.steps=2",
+    "sft.batch_size=2",
     "model.base_model=oneloop/tiny-qwen3",
     "eval=null",
 ]
@@ -38,6 +43,17 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     path = run_dir / "checkpoints.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return [json.loads(line)["step"] for line in lines]
+
+
+def step_weights(run_dir: Path, backend: Path, step: int) -> dict[str, np.ndarray]:
+    """The trainer weights of the run's checkpoint at `step` (its checkpoints.jsonl line): the
+    megatron engine's `model.safetensors` or the torch engine's `trainable.safetensors`."""
+    from safetensors.numpy import load_file
+
+    lines = (run_dir / "checkpoints.jsonl").read_text().splitlines()
+    (path,) = [json.loads(x)["trainer_path"] for x in lines if json.loads(x)["step"] == step]
+    (weights,) = (backend / path.removeprefix("tinker://")).glob("*.safetensors")
+    return load_file(str(weights))
 
 
 def start_and_wait_for_checkpoint(command: list[str], run_dir: Path, after: int, log: Path):
@@ -74,7 +90,8 @@ def test_sigterm_and_kill_then_resume_match_an_uninterrupted_run(tmp_path, train
     # Mid-step: a step is logged only with its checkpoint (none half-done), and the run stopped
     # before its end.
     stopped_at = checkpoint_steps(run_dir)[-1]
-    assert sorted(train_script.steps(run_dir)) == checkpoint_steps(run_dir)
+    rl_checkpoints = [step for step in checkpoint_steps(run_dir) if step > 0]  # 0: after SFT
+    assert sorted(train_script.steps(run_dir)) == rl_checkpoints
     assert stopped_at < 3
 
     proc = start_and_wait_for_checkpoint(
@@ -101,3 +118,10 @@ def test_sigterm_and_kill_then_resume_match_an_uninterrupted_run(tmp_path, train
         row = json.loads(line)
         trained.setdefault(row["sample_id"], set()).add(row["step"])
     assert sorted(trained) == sorted(consumed) and all(len(s) == 1 for s in trained.values())
+    ref_backend = tmp_path / "ref-backend"
+    mine, theirs = step_weights(run_dir, backend, 3), step_weights(reference, ref_backend, 3)
+    before = step_weights(reference, ref_backend, 2)
+    moved = max(float(np.abs(theirs[k] - before[k]).max()) for k in theirs)
+    gap = max(float(np.abs(mine[k] - theirs[k]).max()) for k in theirs)
+    print(f"RESULT step 3 weights: max |resumed - reference| = {gap}; step 3 moved them {moved}")
+    assert sorted(mine) == sorted(theirs) and moved > 0 and gap == 0.0

@@ -37,18 +37,16 @@ import pytest
 from cpu_megatron import HERE, megatron_core_installed
 from megatron_run_hook import HOOK
 
-from tests.loop.test_resume import DETERMINISTIC, checkpoint_steps
+from tests.loop.test_resume import DETERMINISTIC, checkpoint_steps, step_weights
 
 pytestmark = [pytest.mark.megatron_cpu, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[4]
-# test_resume's small deterministic run, with 2 RL steps after a 2-step SFT warm start (its
-# momentum moves the weights even where every reward is 0) on a dp = 2 megatron trainer
+# test_resume's small deterministic run (a 2-step SFT warm start: its momentum moves the weights
+# even where every reward is 0), with 2 RL steps, on a dp = 2 megatron trainer
 RUN = [
-    *(o for o in DETERMINISTIC if not o.startswith(("algo.max_steps=", "sft="))),
+    *(o for o in DETERMINISTIC if not o.startswith("algo.max_steps=")),
     "algo.max_steps=2",
-    "sft.steps=2",
-    "sft.batch_size=2",
     "backend.local.trainer_engine=megatron",
     "backend.local.megatron.dp=2",
     "backend.local.gpus_per_trainer=2",  # the product's rule: one per rank (none used on CPU)
@@ -110,15 +108,6 @@ def kill_a_rank_mid_call(proc: subprocess.Popen, run_dir: Path, log: Path) -> di
         time.sleep(0.02)
     proc.kill()
     raise AssertionError(f"no rank actor was seen inside a call: {log.read_text()[-4000:]}")
-
-
-def step_weights(run_dir: Path, backend: Path, step: int) -> dict[str, np.ndarray]:
-    """The trainer weights of the run's checkpoint at `step` (its checkpoints.jsonl line)."""
-    from safetensors.numpy import load_file
-
-    lines = (run_dir / "checkpoints.jsonl").read_text().splitlines()
-    (path,) = [json.loads(x)["trainer_path"] for x in lines if json.loads(x)["step"] == step]
-    return load_file(str(backend / path.removeprefix("tinker://") / "model.safetensors"))
 
 
 def samples(run_dir: Path) -> dict[str, list]:
