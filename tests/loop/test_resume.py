@@ -56,6 +56,19 @@ def step_weights(run_dir: Path, backend: Path, step: int) -> dict[str, np.ndarra
     return load_file(str(weights))
 
 
+def assert_step_weights_equal(
+    run_dir: Path, backend: Path, reference: Path, ref_backend: Path, step: int
+) -> None:
+    """The resumed run's weights at `step` equal the reference run's bit for bit, and that step
+    moved the reference's weights (else the comparison would hold trivially)."""
+    mine, theirs = step_weights(run_dir, backend, step), step_weights(reference, ref_backend, step)
+    before = step_weights(reference, ref_backend, step - 1)
+    moved = max(float(np.abs(theirs[k] - before[k]).max()) for k in theirs)
+    gap = max(float(np.abs(mine[k] - theirs[k]).max()) for k in theirs)
+    print(f"RESULT step {step} weights: max |resumed - reference| = {gap}; the step moved {moved}")
+    assert sorted(mine) == sorted(theirs) and moved > 0 and gap == 0.0
+
+
 def start_and_wait_for_checkpoint(command: list[str], run_dir: Path, after: int, log: Path):
     """Start the run; return it once checkpoints.jsonl holds a step past `after`."""
     proc = subprocess.Popen(
@@ -118,10 +131,4 @@ def test_sigterm_and_kill_then_resume_match_an_uninterrupted_run(tmp_path, train
         row = json.loads(line)
         trained.setdefault(row["sample_id"], set()).add(row["step"])
     assert sorted(trained) == sorted(consumed) and all(len(s) == 1 for s in trained.values())
-    ref_backend = tmp_path / "ref-backend"
-    mine, theirs = step_weights(run_dir, backend, 3), step_weights(reference, ref_backend, 3)
-    before = step_weights(reference, ref_backend, 2)
-    moved = max(float(np.abs(theirs[k] - before[k]).max()) for k in theirs)
-    gap = max(float(np.abs(mine[k] - theirs[k]).max()) for k in theirs)
-    print(f"RESULT step 3 weights: max |resumed - reference| = {gap}; step 3 moved them {moved}")
-    assert sorted(mine) == sorted(theirs) and moved > 0 and gap == 0.0
+    assert_step_weights_equal(run_dir, backend, reference, tmp_path / "ref-backend", step=3)

@@ -31,13 +31,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 from cpu_megatron import HERE, megatron_core_installed
 from megatron_run_hook import HOOK
 
-from tests.loop.test_resume import DETERMINISTIC, checkpoint_steps, step_weights
+from tests.loop.test_resume import DETERMINISTIC, assert_step_weights_equal, checkpoint_steps
 
 pytestmark = [pytest.mark.megatron_cpu, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -179,9 +178,4 @@ def test_rank_killed_mid_call_then_resume_matches_an_uninterrupted_run(
     assert sorted(trained) == sorted(consumed)
     assert all(len({step for step, _, _ in rows}) == 1 for rows in trained.values()), trained
     assert trained == samples(reference)  # the same tokens sampled, trained at the same steps
-    mine, theirs = step_weights(run_dir, backend, 2), step_weights(reference, ref_backend, 2)
-    before = step_weights(reference, ref_backend, 1)
-    moved = max(float(np.abs(theirs[k] - before[k]).max()) for k in theirs)
-    gap = max(float(np.abs(mine[k] - theirs[k]).max()) for k in theirs)
-    print(f"RESULT step 2 weights: max |resumed - reference| = {gap}; step 2 moved them {moved}")
-    assert sorted(mine) == sorted(theirs) and moved > 0 and gap == 0.0
+    assert_step_weights_equal(run_dir, backend, reference, ref_backend, step=2)

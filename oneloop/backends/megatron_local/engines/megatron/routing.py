@@ -89,6 +89,17 @@ def schedule_replay(module: torch.nn.Module, recompute: bool):
             router.router_replay = None
 
 
+COUNT_KEYS = ("routing/positions:sum", "routing/differ:sum")
+
+
+def summed_counts(counts: dict[str, float], group) -> dict[str, float]:
+    """This rank's `routing_counts` figures summed over `group` (pipeline stages and sequence
+    shards, or CP ranks, each counted their own positions); every rank of `group` calls it."""
+    summed = torch.tensor([counts.get(k, 0.0) for k in COUNT_KEYS], dtype=torch.float64)
+    torch.distributed.all_reduce(summed, group=group)
+    return dict(zip(COUNT_KEYS, summed.tolist(), strict=True))
+
+
 def moe_routers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's megatron-core top-k routers in layer order (empty for a dense model)."""
     from megatron.core.transformer.moe.router import TopKRouter

@@ -196,10 +196,7 @@ class MegatronCpRank(MegatronTpRank):
         over the CP group, and with sampler logprobs the gaps with replay and without (a no-grad
         forward of every rank's chunks, gathered)."""
         counts = routing_counts(replay.forced, replay.natural)
-        keys = sorted(counts)
-        summed = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
-        torch.distributed.all_reduce(summed, group=self._cp_group())
-        figures = dict(zip(keys, summed.tolist(), strict=True))
+        figures = megatron_routing.summed_counts(counts, self._cp_group())
         if "logprobs" in inputs:
             with torch.no_grad():
                 free = gather_rows(self._logprobs(*local).float(), self._cp_group())

@@ -285,16 +285,14 @@ class MegatronPpRank(MegatronTrainerEngine):
         replay (every rank runs it)."""
         from megatron.core import parallel_state as ps
 
-        keys = ("routing/positions:sum", "routing/differ:sum")
         # MoE at tp > 1 is sequence parallel: each TP rank counted its own positions
-        summed = torch.tensor([counts.get(k, 0.0) for k in keys], dtype=torch.float64)
-        torch.distributed.all_reduce(summed, group=ps.get_model_parallel_group())
+        summed = megatron_routing.summed_counts(counts, ps.get_model_parallel_group())
         gaps = []
         if free:
             with torch.no_grad():
                 gaps = self._schedule(groups, [None] * len(groups), total, None, None, True, {})
         if result is not None:
-            figures = dict(zip(keys, summed.tolist(), strict=True))
+            figures = dict(summed)
             if free:
                 figures[FREE_GAP] = sum(g[FREE_GAP] for g in gaps)
             result.metrics.update({k: result.metrics.get(k, 0.0) + v for k, v in figures.items()})
