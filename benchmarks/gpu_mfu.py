@@ -11,7 +11,8 @@ local-spec `MegatronSpeed` switch alone, all of them (the default without TE) at
 per micro-batch, the opt-in RoPE fusion, SDPA backends, TransformerEngine's layer spec (`te`,
 `te_mb8k`: the default where TE imports; megatron-core then runs TE's FusedAdam in every variant),
 the `torch` engine, and `all_recompute` (`all` with `local.megatron.recompute: full`: its peak
-memory against `all`'s is what recompute saves, its tokens/s what it costs). Prints tokens/s,
+memory against `all`'s is what recompute saves, its tokens/s what it costs; `all_mb64k` and
+`all_recompute_mb64k`, with `--batch 16`, one micro-batch of 16 sequences). Prints tokens/s,
 MFU, the ratio to the baseline, forward_backward and optim_step seconds, peak memory and the
 target-logprob gap to the baseline's first step (same weights: bf16 tolerance expected); writes
 $OUT/gpu_mfu.json after every variant, so a run cut short keeps what it measured.
@@ -71,8 +72,11 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     "all_nocompile": ("megatron", replace(ALL, compile_logprobs=False, swiglu_fusion=False), 4),
     "all_sequential_experts": ("megatron", replace(ALL, grouped_experts=False), 4),  # MoE shapes
     "all_recompute": ("megatron", ALL, 4),  # local.megatron.recompute: full (RECOMPUTED)
+    # 16 sequences per micro-batch (run with --batch 16): what recompute's memory buys
+    "all_mb64k": ("megatron", ALL, 16),
+    "all_recompute_mb64k": ("megatron", ALL, 16),
 }
-RECOMPUTED = {"all_recompute"}
+RECOMPUTED = {"all_recompute", "all_recompute_mb64k"}
 
 
 def make_batch(batch: int, seq: int) -> list[DatumArrays]:
