@@ -13,9 +13,12 @@ per micro-batch, the opt-in RoPE fusion, SDPA backends, TransformerEngine's laye
 the `torch` engine, and `all_recompute` (`all` with `local.megatron.recompute: full`: its peak
 memory against `all`'s is what recompute saves, its tokens/s what it costs; `all_mb64k` and
 `all_recompute_mb64k`, with `--batch 16`, one micro-batch of 16 sequences). Prints tokens/s,
-MFU, the ratio to the baseline, forward_backward and optim_step seconds, peak memory and the
-target-logprob gap to the baseline's first step (same weights: bf16 tolerance expected); writes
-$OUT/gpu_mfu.json after every variant, so a run cut short keeps what it measured.
+MFU, the ratio to the baseline, forward_backward and optim_step seconds, peak memory, the own
+peak (the peak less what earlier variants left allocated: on the device, 2026-12-03, a megatron
+engine of the 30B-A3B-width MoE left 29 GiB behind after `del`; for clean peaks run one variant
+per process) and the target-logprob gap to the baseline's first step (same weights: bf16
+tolerance expected); writes $OUT/gpu_mfu.json after every variant, so a run cut short keeps what
+it measured.
 
 MFU = (6·N + 6·L·s·heads·head_dim) · tokens/s / 989 TFLOP/s (H200 dense bf16), N = every
 parameter, a tied embedding once (it is also the LM head's matmul), the attention term halved for
@@ -234,12 +237,16 @@ def main() -> None:
             entry["speed"] = asdict(speed)
         t0 = time.perf_counter()
         engine = None
+        # what earlier variants left allocated counts in this one's peak: its own peak is the rest
+        held_gib = round(torch.cuda.memory_allocated() / 2**30, 2)
         try:
             engine = build_engine(kind, speed, path, seqs_per_mb * args.seq, name in RECOMPUTED)
             entry["build_s"] = round(time.perf_counter() - t0, 1)
             timing, first_lp = measure(engine, data, args.steps, args.warmup)
             tps = tokens / timing.pop("step_s_raw")
             entry.update(timing)
+            entry["held_before_gib"] = held_gib
+            entry["own_peak_gib"] = round(timing["max_mem_gib"] - held_gib, 2)
             entry["tokens_per_s"] = round(tps)
             entry["mfu"] = round(fpt * tps / PEAK_FLOPS, 4)
             if name in args.profile.split(","):
@@ -271,7 +278,7 @@ def main() -> None:
             Path(os.environ["OUT"], "gpu_mfu.json").write_text(json.dumps(results, indent=1))
     base = results["variants"].get("baseline", {}).get("tokens_per_s")
     print(f"{'variant':<22}{'tok/s':>9}{'MFU':>8}{'x base':>8}{'fb s':>8}{'opt s':>8}"
-          f"{'GiB':>7}{'|dlp| max':>11}")  # fmt: skip
+          f"{'GiB':>7}{'own GiB':>9}{'|dlp| max':>11}")  # fmt: skip
     for name, e in results["variants"].items():
         if "tokens_per_s" not in e:
             print(f"{name:<22} {e.get('error') or e.get('skipped')}")
@@ -281,7 +288,7 @@ def main() -> None:
         gap = e.get("logprob_abs_diff_vs_baseline", {}).get("max", 0.0)
         print(f"{name:<22}{e['tokens_per_s']:>9}{e['mfu']:>8.3f}{ratio:>8.3f}"
               f"{e['forward_backward_s']:>8.3f}{e['optim_step_s']:>8.3f}{e['max_mem_gib']:>7.1f}"
-              f"{gap:>11.4f}")  # fmt: skip
+              f"{e['own_peak_gib']:>9.1f}{gap:>11.4f}")  # fmt: skip
     for name, e in results["variants"].items():
         prof = e.get("profile", {})
         if "top" in prof:
