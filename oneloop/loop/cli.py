@@ -31,10 +31,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--run-dir", help="overrides run_dir")
     parser.add_argument("--max-steps", type=int, help="overrides algo.max_steps")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--plan", action="store_true",
-                        help="print where ranks and engines go (node, GPU), start nothing")
-    parser.add_argument("--cluster", type=Path,
-                        help="with --plan: a described cluster (YAML/JSON) instead of Ray's")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print where ranks and engines go (node, GPU), start nothing",
+    )
+    parser.add_argument(
+        "--cluster", type=Path, help="with --plan: a described cluster (YAML/JSON) instead of Ray's"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
@@ -62,25 +66,33 @@ def main(argv: list[str]) -> int:
     if args.plan or args.cluster:
         return print_plan(cfg, args.cluster, args.plan)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    summary, status = run_reporting(cfg, "oneloop train", resume=args.resume)
+    if summary is None:
+        return status
+    print({k: round(v, 4) for k, v in summary.items() if k.startswith(("eval", "rollout/reward"))})
+    return 0
+
+
+def run_reporting(cfg, prog: str, resume: bool = False) -> tuple[dict | None, int]:
+    """Run `train(cfg)` under the signal handlers: (its summary, 0), or (None, the exit status)
+    after a one-line message for each way it can end early, with where `--resume` continues."""
     from oneloop.loop.rollouts import NoTrainableGroupsError
     from oneloop.loop.train import train
 
     try:  # a knob the backend cannot honour fails in setup, before SFT or RL start
-        summary = run_stoppable(train(cfg, resume=args.resume), "oneloop train", TRAIN_STOP_NOTE)
+        return run_stoppable(train(cfg, resume=resume), prog, TRAIN_STOP_NOTE), 0
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
-        return 2
+        return None, 2
     except NoTrainableGroupsError as error:
         print(f"stopped: {error}", file=sys.stderr)
-        return 1
+        return None, 1
     except BackendError as error:  # the step in progress is lost, the checkpoints are not
-        print(f"oneloop train: failed: {error}\n{resume_hint(cfg.run_dir)}", file=sys.stderr)
-        return 1
+        print(f"{prog}: failed: {error}\n{resume_hint(cfg.run_dir)}", file=sys.stderr)
+        return None, 1
     except Stopped as stop:
-        print(f"oneloop train: {stop}; {resume_hint(cfg.run_dir)}", file=sys.stderr)
-        return stop.exit_status
-    print({k: round(v, 4) for k, v in summary.items() if k.startswith(("eval", "rollout/reward"))})
-    return 0
+        print(f"{prog}: {stop}; {resume_hint(cfg.run_dir)}", file=sys.stderr)
+        return None, stop.exit_status
 
 
 def print_plan(cfg, cluster: Path | None, plan: bool) -> int:
@@ -133,15 +145,15 @@ def demo(argv: list[str]) -> int:
     to the order in which asynchronous rollouts finish.
     """
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_config("demo-cpu", argv)
-    from oneloop.loop.train import train
-
-    started = time.time()
     try:
-        summary = run_stoppable(train(cfg), "oneloop demo", TRAIN_STOP_NOTE)
-    except Stopped as stop:
-        print(f"oneloop demo: {stop}; {resume_hint(cfg.run_dir)}", file=sys.stderr)
-        return stop.exit_status
+        cfg = load_config("demo-cpu", argv)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    started = time.time()
+    summary, status = run_reporting(cfg, "oneloop demo")
+    if summary is None:
+        return status
     before = summary.get("eval_before/success_rate", float("nan"))
     after = summary.get("eval_after/success_rate", float("nan"))
     print(json.dumps({k: round(v, 4) for k, v in sorted(summary.items())}, indent=1))

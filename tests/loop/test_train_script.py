@@ -164,3 +164,19 @@ def test_every_preset_validates_on_both_backends(preset):
     for backend in ("local", "tinker"):
         cfg = load_config(preset, [f"backend.backend={backend}"])
         assert cfg.backend.backend == backend
+
+
+@pytest.mark.timeout(300)
+def test_demo_answers_bad_overrides_and_refused_knobs_with_one_line(tmp_path, capsys):
+    """`oneloop demo` ends early as `oneloop train` does: exit 2 and a `config error:` line, for a
+    bad dotted override (before anything starts) and for a knob the backend refuses in setup."""
+    from oneloop.loop.cli import demo
+
+    assert demo([f"run_dir={tmp_path / 'a'}", "algo.group_size=zero"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and "algo.group_size" in err and "Traceback" not in err
+    assert not (tmp_path / "a").exists()
+    refused = ["backend.local.sampler_engine=vllm", "algo.sampler_kind=snapshot"]
+    assert demo([f"run_dir={tmp_path / 'b'}", f"backend.run_dir={tmp_path / 'c'}", *refused]) == 2
+    err = capsys.readouterr().err
+    assert "config error: algo.sampler_kind: sampler kind 'snapshot'" in err, err
