@@ -22,7 +22,7 @@ import ray
 from safetensors.numpy import load_file, save_file
 
 from oneloop.backends.config import LocalBackendConfig
-from oneloop.backends.megatron_local.checkpoints import CheckpointMeta
+from oneloop.backends.megatron_local.checkpoints import CheckpointMeta, staged
 from oneloop.backends.megatron_local.engines.base import (
     AdapterDir,
     ConcurrentSampler,
@@ -149,24 +149,21 @@ class TrainerActor:
         nbytes = sum(int(t.nbytes) for t in adapter.tensors.values())
         return AdapterDir(path=str(directory), rank=adapter.rank, nbytes=nbytes)
 
-    def save_state(
-        self, directory: str, meta: CheckpointMeta, with_optimizer: bool = True
-    ) -> None:
-        path = Path(directory)
-        self.engine.save_state(path, with_optimizer=with_optimizer)
-        meta.with_version(self.sync_version).write(path)
+    def save_state(self, directory: str, meta: CheckpointMeta, with_optimizer: bool = True) -> None:
+        with staged(Path(directory)) as path:  # a kill mid-save leaves no half checkpoint
+            self.engine.save_state(path, with_optimizer=with_optimizer)
+            meta.with_version(self.sync_version).write(path)
 
     def load_state(self, directory: str, with_optimizer: bool) -> None:
         self.engine.load_state(Path(directory), with_optimizer=with_optimizer)
 
     def save_sampler_weights(self, directory: str, meta: CheckpointMeta) -> int:
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        self.sync_version += 1
-        save_file(self.engine.sampler_weights(), str(path / SAMPLER_WEIGHTS_FILE))
-        if self.adapters:  # what a LoRA-serving sampler loads from this checkpoint
-            self._write_adapter(path / ADAPTER_DIR)
-        meta.with_version(self.sync_version).write(path)
+        with staged(Path(directory)) as path:
+            self.sync_version += 1
+            save_file(self.engine.sampler_weights(), str(path / SAMPLER_WEIGHTS_FILE))
+            if self.adapters:  # what a LoRA-serving sampler loads from this checkpoint
+                self._write_adapter(path / ADAPTER_DIR)
+            meta.with_version(self.sync_version).write(path)
         return self.sync_version
 
 

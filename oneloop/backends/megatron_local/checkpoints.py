@@ -5,10 +5,21 @@ Every path component (run id, kind, name) must match a conservative pattern, so 
 outside `run_dir` (no `..`, no separators, no absolute parts). A checkpoint directory holds the
 engine's files and `meta.json` (`CheckpointMeta`), written last and atomically: a directory without
 it is an unfinished save and does not exist as far as any reader is concerned.
+
+A save writes into a staging directory beside its target, `.<name>.partial` (no valid name starts
+with '.'), and moves it into place whole (`staged`). A process killed mid-save (the OOM killer, a
+lost node) leaves only the staging directory, with the writer's host and pid in `owner.json`: the
+next save of that name replaces it, and `sweep_partials` removes the ones whose writer is dead
+when a local backend starts on the run directory. At 35B+ scale one is tens of GB.
 """
 
+import contextlib
 import json
+import os
 import re
+import shutil
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +32,8 @@ _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 CheckpointKind = Literal["weights", "sampler_weights"]
 KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights")
 META_FILE = "meta.json"
+PARTIAL = ".partial"
+OWNER_FILE = "owner.json"
 
 
 def check_component(value: str, what: str) -> str:
@@ -162,3 +175,60 @@ class CheckpointMeta:
     def read(cls, directory: Path) -> "CheckpointMeta":
         """The meta of the checkpoint in `directory` (which must hold one)."""
         return cls.from_json(json.loads((directory / META_FILE).read_text()))
+
+
+def staging_directory(directory: Path) -> Path:
+    """Where a save into `directory` writes until it is complete."""
+    return directory.with_name(f".{directory.name}{PARTIAL}")
+
+
+@contextlib.contextmanager
+def staged(directory: Path) -> Iterator[Path]:
+    """Yield an empty staging directory for a save into `directory`; once the body returns, it
+    replaces `directory` whole (an earlier checkpoint of that name included: overwrite). A body
+    that raises leaves nothing behind; a process killed inside it leaves the staging directory,
+    its owner recorded for `sweep_partials`."""
+    staging = staging_directory(directory)
+    if staging.exists():  # an earlier save of this name was killed
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    owner = {"host": socket.gethostname(), "pid": os.getpid()}
+    (staging / OWNER_FILE).write_text(json.dumps(owner))
+    try:
+        yield staging
+        (staging / OWNER_FILE).unlink()
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def sweep_partials(run_dir: Path) -> list[Path]:
+    """Remove the staging directories under `run_dir` whose writer was a process of this host
+    that is gone (killed mid-save); the ones removed. A live writer's, another host's, or one
+    without a readable owner is left alone."""
+    removed = []
+    for kind in KINDS:
+        for staging in sorted(run_dir.glob(f"*/{kind}/.*{PARTIAL}")):
+            try:
+                owner = json.loads((staging / OWNER_FILE).read_text())
+                host, pid = owner["host"], int(owner["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if host != socket.gethostname() or _alive(pid):
+                continue
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -8,6 +8,7 @@ model, `actors.py`), creates the training (`training_client.py`) and sampling
 Model names resolve through `models.py`; weights reach the samplers through `publish.py`.
 """
 
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from oneloop.backends.capabilities import Capabilities
 from oneloop.backends.config import BackendConfig, check_model_dirs
 from oneloop.backends.megatron_local import models
 from oneloop.backends.megatron_local.actors import SamplerActor, TrainerActor
-from oneloop.backends.megatron_local.checkpoints import CheckpointMeta, TinkerPath
+from oneloop.backends.megatron_local.checkpoints import CheckpointMeta, TinkerPath, sweep_partials
 from oneloop.backends.megatron_local.engines.base import LoraSpec
 from oneloop.backends.megatron_local.engines.factory import trainer_actor_gpus
 from oneloop.backends.megatron_local.futures import chain, completed, gather
@@ -41,6 +42,8 @@ from oneloop.backends.megatron_local.sampling_client import (
 from oneloop.backends.megatron_local.training_client import LocalTrainingClient
 from oneloop.backends.ray_runtime import init_ray
 from oneloop.errors import CapabilityError, RequestError
+
+log = logging.getLogger(__name__)
 
 
 def actor_restarts(actor: Any) -> int:
@@ -65,6 +68,8 @@ class LocalServiceClient:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.capabilities: Capabilities = backend_capabilities(config)
         check_model_dirs(config)  # before Ray starts: a wrong path is a config error
+        for staging in sweep_partials(self.run_dir):  # left by a save that was killed
+            log.info("removed an unfinished checkpoint save: %s", staging)
         init_ray(
             address=config.local.ray_address,
             num_cpus=config.local.ray_num_cpus,

@@ -113,29 +113,38 @@ class Registry:
             raise WireError(f"model_id: unknown model {model_id!r}", 404)
         self.session(slot.session_id, "model_id")
         if slot.released is not None:
-            raise WireError(f"model_id: model {model_id} was released ({slot.released}); create "
-                            "a training client again (from a saved state to continue)", 410)
+            raise WireError(
+                f"model_id: model {model_id} was released ({slot.released}); create "
+                "a training client again (from a saved state to continue)",
+                410,
+            )
         slot.last_request = time.time()
         return slot
 
     def live_models(self) -> list[ModelSlot]:
         """Models that hold (or are starting) a trainer: not released, creation not failed."""
-        return [s for s in self.models.values() if s.released is None and not (
-            s.client.done() and (s.client.cancelled() or s.client.exception() is not None))]
+        return [
+            s
+            for s in self.models.values()
+            if s.released is None
+            and not (s.client.done() and (s.client.cancelled() or s.client.exception() is not None))
+        ]
 
     def models_of(self, session_id: str) -> list[ModelSlot]:
         return [s for s in self.models.values() if s.session_id == session_id]
 
     def expired_sessions(self, now: float, expiry_s: float) -> list[Session]:
         """Unfinished sessions whose last heartbeat (`time.monotonic`) is over `expiry_s` old."""
-        return [s for s in self.sessions.values()
-                if s.finished is None and now - s.last_heartbeat > expiry_s]
+        return [
+            s
+            for s in self.sessions.values()
+            if s.finished is None and now - s.last_heartbeat > expiry_s
+        ]
 
     def idle_models(self, now: float, idle_s: float) -> list[ModelSlot]:
         """Live, ready models whose last request (`time.time`) is over `idle_s` old (a trainer
         still starting is never idle)."""
-        return [s for s in self.live_models()
-                if s.client.done() and now - s.last_request > idle_s]
+        return [s for s in self.live_models() if s.client.done() and now - s.last_request > idle_s]
 
     def sampler(self, sampler_id: str) -> SamplerSlot:
         slot = self.samplers.get(sampler_id)
@@ -202,7 +211,7 @@ class CheckpointStore:
                 continue
             for directory in base.iterdir():
                 meta_file = directory / META_FILE
-                if not meta_file.is_file():
+                if directory.name.startswith(".") or not meta_file.is_file():  # a save staging
                     continue
                 meta = CheckpointMeta.read(directory)
                 out.append(
@@ -211,8 +220,9 @@ class CheckpointStore:
                         checkpoint_type=ctype,  # type: ignore[arg-type]
                         time=datetime.fromtimestamp(meta_file.stat().st_mtime, UTC),
                         tinker_path=f"tinker://{run_id}/{kind}/{directory.name}",
-                        size_bytes=sum(f.stat().st_size for f in directory.rglob("*")
-                                       if f.is_file()),
+                        size_bytes=sum(
+                            f.stat().st_size for f in directory.rglob("*") if f.is_file()
+                        ),
                         user_metadata=meta.user_metadata or None,
                     )
                 )
