@@ -9,6 +9,40 @@ import pytest  # noqa: E402
 
 import oneloop  # noqa: E402,F401  (sets the offline environment defaults)
 
+# The files that take longest, longest first (`./run tests` prints the slowest; seconds from a
+# full run on two cores). `./run tests` hands out whole files to two workers in collection
+# order; started last, one of these would leave the other worker idle for minutes at the end.
+SLOWEST_FILES = (
+    "tests/backends/engines/megatron_cpu/test_megatron_run_kill_resume.py",  # 372
+    "tests/backends/engines/megatron_cpu/test_megatron_pp_gloo.py",  # 286
+    "tests/loop/test_loop_faults.py",  # 276
+    "tests/backends/local/test_backend_parity.py",  # 239
+    "tests/loop/test_resume.py",  # 235
+    "tests/backends/engines/megatron_cpu/test_megatron_hybrid_gloo.py",  # 219
+    "tests/loop/test_train_script.py",  # 200
+    "tests/backends/engines/megatron_cpu/test_megatron_moe_gloo.py",  # 168
+    "tests/backends/engines/megatron_cpu/test_megatron_dp_gloo.py",  # 148
+    "tests/backends/engines/megatron_cpu/test_megatron_cp_gloo.py",  # 103
+    "tests/agents/test_gateway_loop.py",  # 103
+    "tests/backends/engines/test_moe_loop.py",  # 100
+    "tests/diagnostics/test_inspect.py",  # 88
+    "tests/backends/engines/megatron_cpu/test_megatron_tp_gloo.py",  # 90
+    "tests/agents/test_gateway_trial.py",  # 78
+    "tests/backends/engines/megatron_cpu/test_megatron_lora_tp_gloo.py",  # 72
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The slowest files first (in SLOWEST_FILES' order), then the rest as collected; each file's
+    tests stay together and in order."""
+    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
+
+    def key(item):
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: the collected order within each rank
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):

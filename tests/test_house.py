@@ -139,3 +139,11 @@ def test_the_rules_catch_a_violation(tmp_path: Path) -> None:
     assert not matches(f"{LOCAL}.engines_extra", f"{LOCAL}.engines")
     engine_rule = next(rule for rule in RULES if rule[0] == f"{LOCAL}.engines")
     assert any(matches(f"{LOCAL}.training_client", prefix) for prefix in engine_rule[1])
+
+
+def test_the_slowest_files_listed_for_scheduling_exist() -> None:
+    """conftest.SLOWEST_FILES orders the suite; a renamed file would silently drop out of it."""
+    from tests.conftest import SLOWEST_FILES
+
+    assert len(set(SLOWEST_FILES)) == len(SLOWEST_FILES)
+    assert [p for p in SLOWEST_FILES if not (ROOT / p).is_file()] == []
