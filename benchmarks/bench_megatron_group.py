@@ -9,10 +9,15 @@ and an optim_step:
   spawned worker over a pipe), loaded from git commit `--commit` (the last one that had it) into a
   temporary directory;
 - `ray`: `megatron.group.MegatronRayGroup` (both ranks Ray actors in one placement group).
-Then DP scaling: the Ray group at dp = 1 (one rank actor) vs dp = 2 (two) on the same datums.
-Prints RESULT lines: median step seconds of each, the ratios (goal: ray / spawned <= 1.05) and
-the Ray group's fixed cost per step in ms (two fanned-out calls; it shrinks as a share of larger
-steps: try --datums 64 --tokens 256).
+Both groups are built, then stepped alternately, the order swapped every round (spawned, ray, ray,
+spawned, ...), after a warm-up step each: on a shared machine the load drifts by more than the 5 %
+in question between one half of a run and the next (timing one group after the other gave ratios
+0.85 to 2.05 on the same code), and alternating puts both under the same load. Ray runs while the
+spawned group steps, as it did in the product (the spawned group lived inside a Ray trainer actor).
+Then DP scaling: the Ray group at dp = 1 (one rank actor) vs dp = 2 (two) on the same datums, one
+after the other. Prints RESULT lines: median step seconds of each, the ratios (goal: ray / spawned
+<= 1.05) and the Ray group's fixed cost per step in ms (two fanned-out calls; it shrinks as a share
+of larger steps: try --datums 64 --tokens 256).
 CPU is not the target (CUDA-on-CPU shims from tests/backends/engines/megatron_cpu/cpu_megatron.py,
 installed at the top level here so the spawned worker and the rank actors get them too).
 """
@@ -49,14 +54,28 @@ def _import_bench() -> None:
     importlib.import_module("bench_megatron_group")
 
 
+def _step(engine, data: list) -> float:
+    start = time.perf_counter()
+    engine.forward_backward(data, "cross_entropy", None, False)
+    engine.optim_step(ADAM)
+    return time.perf_counter() - start
+
+
 def _steps(engine, data: list, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        engine.forward_backward(data, "cross_entropy", None, False)
-        engine.optim_step(ADAM)
-        times.append(time.perf_counter() - start)
-    return times[1:]
+    return [_step(engine, data) for _ in range(steps + 1)][1:]  # the first is a warm-up
+
+
+def _alternated(engines: dict, data: list, steps: int) -> dict[str, list[float]]:
+    """`steps` timed steps of each engine, one at a time, the order swapped every round."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    order = list(engines)
+    for name in order:
+        _step(engines[name], data)  # warm-up
+    for _ in range(steps):
+        for name in order:
+            times[name].append(_step(engines[name], data))
+        order.reverse()
+    return times
 
 
 def _old_group(commit: str, directory: Path):
@@ -90,15 +109,18 @@ def main() -> int:
     results: dict[str, float] = {}
     spawned_class = _old_group(args.commit, work)
     spawned = spawned_class(model, LoraSpec(0), parallel=MegatronParallel(tp=2), **kwargs)
-    results["spawned_tp2_step_s"] = statistics.median(_steps(spawned, data, args.steps))
-    spawned.close()
     os.environ["OMP_NUM_THREADS"] = "1"
     env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=env)
     setup = functools.partial(_import_bench)
     group = dict(gpus_per_rank=0, setup=setup, timeout_s=600, **kwargs)
-    for name, parallel in (("tp2", MegatronParallel(tp=2)), ("dp1", MegatronParallel(dp=1)),
-                           ("dp2", MegatronParallel(dp=2))):  # fmt: skip
+    ray_tp2 = MegatronRayGroup(model, LoraSpec(0), parallel=MegatronParallel(tp=2), **group)
+    times = _alternated({"spawned": spawned, "ray": ray_tp2}, data, args.steps)
+    spawned.close()
+    ray_tp2.close()
+    results["spawned_tp2_step_s"] = statistics.median(times["spawned"])
+    results["ray_tp2_step_s"] = statistics.median(times["ray"])
+    for name, parallel in (("dp1", MegatronParallel(dp=1)), ("dp2", MegatronParallel(dp=2))):
         engine = MegatronRayGroup(model, LoraSpec(0), parallel=parallel, **group)
         results[f"ray_{name}_step_s"] = statistics.median(_steps(engine, data, args.steps))
         engine.close()
