@@ -80,33 +80,52 @@ def start(command: list[str], log: Path) -> subprocess.Popen:
     )
 
 
-def rank_calls(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The run's rank actor processes that are inside a group call now."""
-    inside = []
+def rank_actors(proc: subprocess.Popen) -> list[int]:
+    """The pids of the run's megatron rank actor processes (idle or inside a call)."""
+    pids = []
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
-            title = " ".join(child.cmdline())
+            if " ".join(child.cmdline()).startswith("ray::MegatronRankActor"):
+                pids.append(child.pid)
         except psutil.Error:  # gone meanwhile
             continue
-        if title.startswith("ray::MegatronRankActor.call"):
-            inside.append(child)
-    return inside
+    return pids
+
+
+def inside_a_call(pid: int) -> bool:
+    """Whether the rank actor `pid` runs a group call now (Ray titles it `ray::<class>.<method>`
+    while a method runs)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as title:
+            return title.read().startswith(b"ray::MegatronRankActor.call")
+    except OSError:
+        return False
 
 
 def kill_a_rank_mid_call(proc: subprocess.Popen, run_dir: Path, log: Path) -> dict:
     """Once step 1 is checkpointed, SIGKILL the first rank actor seen inside a call; the pid, the
-    run's processes at that moment, and when."""
+    run's processes at that moment, and when. A call on the tiny model lasts milliseconds, so
+    the rank actors are found once and then only their titles are read, every millisecond."""
     deadline = time.monotonic() + RUN_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        if 1 in checkpoint_steps(run_dir):
-            ranks = rank_calls(proc)
-            if ranks:
-                family = psutil.Process(proc.pid).children(recursive=True)
-                os.kill(ranks[0].pid, signal.SIGKILL)
-                return {"pid": ranks[0].pid, "family": family, "at": time.monotonic()}
+    while (
+        time.monotonic() < deadline and proc.poll() is None and 1 not in checkpoint_steps(run_dir)
+    ):
         time.sleep(0.02)
+    ranks = rank_actors(proc)
+    checks = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        for pid in ranks:
+            if inside_a_call(pid):
+                os.kill(pid, signal.SIGKILL)  # at once: the call may end within milliseconds
+                at = time.monotonic()
+                family = psutil.Process(proc.pid).children(recursive=True)
+                return {"pid": pid, "family": family, "at": at}
+        time.sleep(0.001)  # a call lasts milliseconds; the run needs the cores meanwhile
+        checks += 1
+        if checks % 1000 == 0:
+            ranks = rank_actors(proc) or ranks  # (a rank actor restarted: none in this run)
     proc.kill()
-    raise AssertionError(f"no rank actor was seen inside a call: {log.read_text()[-4000:]}")
+    raise AssertionError(f"no rank actor {ranks} was seen inside a call: {log.read_text()[-4000:]}")
 
 
 def samples(run_dir: Path) -> dict[str, list]:
