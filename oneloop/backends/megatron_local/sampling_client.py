@@ -7,7 +7,7 @@ Ray; the client re-installs its weights there and resubmits (the rules: `publish
 import itertools
 import os
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from tinker import types
@@ -113,6 +113,13 @@ class LocalSamplingClient:
 
     Picklable (it holds an actor handle and strings), so it can be sent to Ray tasks running trials.
     """
+
+    nonblocking_submit_max_tokens: ClassVar[int] = 8192
+    """`sample` of a prompt up to this many tokens never waits: it checks the request, converts it
+    and enqueues one actor task (`.remote()`), whose arguments Ray sends inline up to 100 KiB
+    (`max_direct_call_object_size`; 8,192 int64 tokens are 64 KiB) rather than through the object
+    store; the result is the returned future's. `oneloop serve` calls it on its event loop up to
+    this size (a worker thread beyond)."""
 
     def __init__(
         self,

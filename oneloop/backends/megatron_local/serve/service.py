@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,8 +74,15 @@ from oneloop.backends.megatron_local.serve.wire import (
 from oneloop.backends.sequence_ids import make_sequence_id
 from oneloop.errors import CheckpointNotFoundError, RequestError, WireError
 
+logger = logging.getLogger(__name__)
 PROTO = "application/x-protobuf"
 MAX_SAMPLES_PER_REQUEST = 1024
+INLINE_SUBMIT_BUDGET_S = 0.1
+"""Longest a sample submit on the event loop may take (a non-blocking one takes 0.2-2 ms on a
+loaded 2-core machine; 100 ms stalls every open request). `INLINE_SUBMIT_STRIKES` overruns move
+that sampler's submits to a worker thread for good: more than one, as a thread preempted on a
+busy machine overruns without the submit having waited on anything."""
+INLINE_SUBMIT_STRIKES = 3
 
 
 @dataclass(frozen=True)
@@ -414,6 +422,8 @@ class ServeService:
         return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
 
     async def _sampling_client(self, slot: SamplerSlot) -> Any:
+        if slot.client.done() and not slot.client.cancelled() and not slot.client.exception():
+            return slot.client.result()  # the common case: no shield, no timer
         try:
             async with asyncio.timeout(self.limits.result_timeout_s):
                 return await asyncio.shield(slot.client)
@@ -468,6 +478,37 @@ class ServeService:
         ack.set_result(result)
         return result
 
+    async def _submit_to_sampler(
+        self, slot: SamplerSlot, client: Any, req: types.SampleRequest,
+        params: types.SamplingParams,
+    ) -> Any:
+        """`client.sample(...)`: on the event loop if the client says a submit of this size never
+        waits (`nonblocking_submit_max_tokens`), else in a worker thread under
+        `submit_timeout_s`. `INLINE_SUBMIT_STRIKES` inline submits slower than
+        `INLINE_SUBMIT_BUDGET_S` (the contract broken) send the sampler's later submits to the
+        thread."""
+        def submit() -> Any:
+            return client.sample(req.prompt, req.num_samples, params,
+                                 include_prompt_logprobs=bool(req.prompt_logprobs))
+
+        if slot.inline_overruns < INLINE_SUBMIT_STRIKES and req.prompt.length <= getattr(
+            client, "nonblocking_submit_max_tokens", 0
+        ):
+            start = time.perf_counter()
+            try:
+                return submit()
+            finally:
+                took = time.perf_counter() - start
+                if took > INLINE_SUBMIT_BUDGET_S:
+                    slot.inline_overruns += 1
+                    logger.warning("sampler %s: a submit on the event loop took %.0f ms (budget "
+                                   "%.0f ms; %d of %d overruns before its submits move to a "
+                                   "worker thread)", slot.sampler_id, took * 1e3,
+                                   INLINE_SUBMIT_BUDGET_S * 1e3, slot.inline_overruns,
+                                   INLINE_SUBMIT_STRIKES)
+        async with asyncio.timeout(self.limits.submit_timeout_s):
+            return await asyncio.to_thread(submit)
+
     async def _submit_sample(
         self, slot: SamplerSlot, req: types.SampleRequest, params: types.SamplingParams,
         last_n: int | None,
@@ -475,15 +516,13 @@ class ServeService:
         client = await self._sampling_client(slot)
         request_id = self.store.new("Sample")
         try:
-            async with asyncio.timeout(self.limits.submit_timeout_s):
-                submitted = await asyncio.to_thread(
-                    client.sample, req.prompt, req.num_samples, params,
-                    include_prompt_logprobs=bool(req.prompt_logprobs),
-                )
+            submitted = await self._submit_to_sampler(slot, client, req, params)
         except Exception as e:
             self.store.discard(request_id)
             raise backend_error(e) from e
-        result = asyncio.ensure_future(await_backend(submitted, self.limits.result_timeout_s))
+        result = await_backend(submitted, self.limits.result_timeout_s)
+        if not slot.fixed_weights:  # awaited below as well as by the store's task
+            result = asyncio.ensure_future(result)
         created_version = getattr(client, "version", 0)
 
         def encode(resp: types.SampleResponse) -> Outcome:
@@ -504,6 +543,7 @@ class ServeService:
             # the ids carry the version it ran on. A failure here is the request's result,
             # reported through /retrieve_future like any other. A fixed-weights sampler is acked
             # at once (the SDK's long poll then overlaps the sampling): its version is exact.
+            assert isinstance(result, asyncio.Future)
             await asyncio.wait({result}, timeout=self.limits.sample_ack_wait_s)
             if result.done() and not result.cancelled() and result.exception() is None:
                 done = sampled_versions(result.result())  # the batch's one version

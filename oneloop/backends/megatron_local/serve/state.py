@@ -83,6 +83,9 @@ class SamplerSlot:
     fixed_weights: bool = True
     """False for an `inflight` sampler, whose weights may move on while a sample waits; True for
     snapshots, checkpoint paths and base models (every sample runs on the version at creation)."""
+    inline_overruns: int = 0
+    """Samples submitted on the event loop that overran their budget; at `INLINE_SUBMIT_STRIKES`
+    its submits go to a worker thread (`ServeService._submit_to_sampler`)."""
 
 
 class Registry:
