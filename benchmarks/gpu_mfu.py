@@ -78,6 +78,11 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     # 16 sequences per micro-batch (run with --batch 16): what recompute's memory buys
     "all_mb64k": ("megatron", ALL, 16),
     "all_recompute_mb64k": ("megatron", ALL, 16),
+    # the same micro-batch sizes for both engines (MoE shape, --batch 16: 64k tokens a step)
+    "all_mb32k": ("megatron", ALL, 8),
+    "torch_mb16k": ("torch", None, 4),
+    "torch_mb32k": ("torch", None, 8),
+    "torch_mb64k": ("torch", None, 16),
 }
 RECOMPUTED = {"all_recompute", "all_recompute_mb64k"}
 

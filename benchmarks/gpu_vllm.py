@@ -5,7 +5,9 @@
      prints the ratio (goal >= 0.97).
      With `--routed-experts` (a MoE model): our engine and raw vLLM return every sequence's routed
      experts (R3's record), and raw vLLM runs once more without them: the record's cost in
-     tokens/s (goal <= 5 %).
+     tokens/s (goal <= 5 %). `--interleave`: those two raw engines alive together, the reps
+     alternating (rep-to-rep spread on the device is 20-30 %, and a side run last drifted);
+     `--raw-only --engine-args '{"load_format": "dummy", ...}'`: raw vLLM alone, e.g. deeper.
 (ii) in-flight weight sync with N requests decoding: pause window and effective GB/s of
      - `ipc`    : one CUDA buffer in vLLM's layout over CUDA IPC, copied into the parameters,
      - `ipc-hf` : the same transport, loaded by the model's own `load_weights` (stock loader),
@@ -61,6 +63,22 @@ def parse() -> argparse.Namespace:
         "--routed-experts",
         action="store_true",
         help="MoE: return routed experts (R3), and measure raw vLLM without them too",
+    )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="--routed-experts: raw vLLM with and without them alive together, reps alternating",
+    )
+    ap.add_argument(
+        "--raw-only",
+        action="store_true",
+        help="raw vLLM only (no engine of ours; e.g. a deeper model with dummy weights)",
+    )
+    ap.add_argument(
+        "--engine-args",
+        type=json.loads,
+        default={},
+        help='extra vLLM engine args as JSON, e.g. \'{"load_format": "dummy"}\'',
     )
     return ap.parse_args()
 
@@ -130,42 +148,57 @@ def raw_throughput(
     engine_kwargs: dict, args, ps: list[np.ndarray], side: str = "raw_asyncllm"
 ) -> None:
     """Raw vLLM: same engine args, same prompts, same SamplingParams, on one asyncio loop."""
+    raw_sides([(side, engine_kwargs)], args, ps)
+
+
+def raw_sides(sides: list[tuple[str, dict]], args, ps: list[np.ndarray]) -> None:
+    """Raw vLLM engines alive together (one per (side, engine args)), each timed rep running
+    every side once, the order reversed each rep: a drift of the machine hits all sides alike."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    async def one(llm, routed: bool, p: np.ndarray, seed: int, max_tokens: int) -> int:
+        params = SamplingParams(
+            n=1, max_tokens=max_tokens, seed=seed, stop_token_ids=[], ignore_eos=True,
+            logprobs=0, detokenize=False, flat_logprobs=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # fmt: skip
+        final = None
+        engine_input = tokens_input([int(t) for t in p], cache_salt="base@v0")
+        async for out in llm.generate(engine_input, params, request_id=uuid.uuid4().hex):
+            final = out
+        assert final is not None and final.outputs[0].logprobs is not None
+        if routed:  # R3's record came back
+            assert final.outputs[0].routed_experts is not None
+        return len(final.outputs[0].token_ids)
+
     async def main() -> None:
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
-
-        async def one(p: np.ndarray, seed: int, max_tokens: int) -> int:
-            params = SamplingParams(
-                n=1, max_tokens=max_tokens, seed=seed, stop_token_ids=[], ignore_eos=True,
-                logprobs=0, detokenize=False, flat_logprobs=True,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )  # fmt: skip
-            final = None
-            engine_input = tokens_input([int(t) for t in p], cache_salt="base@v0")
-            async for out in llm.generate(engine_input, params, request_id=uuid.uuid4().hex):
-                final = out
-            assert final is not None and final.outputs[0].logprobs is not None
-            if engine_kwargs.get("enable_return_routed_experts"):  # R3's record came back
-                assert final.outputs[0].routed_experts is not None
-            return len(final.outputs[0].token_ids)
-
+        llms = []
         try:
-            await asyncio.wait_for(one(ps[0], 0, 16), 600)
+            for side, kwargs in sides:
+                os.environ["R3PROF_PHASE"] = side  # benchmarks/r3prof: the engine core's key
+                llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+                llms.append((side, llm, bool(kwargs.get("enable_return_routed_experts"))))
+                await asyncio.wait_for(one(llm, llms[-1][2], ps[0], 0, 16), 600)
             for rep in range(args.reps):
-                t0 = time.perf_counter()
-                counts = await asyncio.wait_for(
-                    asyncio.gather(*[one(p, i, args.max_tokens) for i, p in enumerate(ps)]), 600
-                )
-                dt = time.perf_counter() - t0
-                result(bench="throughput", side=side, rep=rep, tokens=sum(counts),
-                       seconds=round(dt, 3), tok_per_s=round(sum(counts) / dt))  # fmt: skip
+                for side, llm, routed in llms if rep % 2 == 0 else llms[::-1]:
+                    os.environ["R3PROF_PHASE"] = side  # the front end's own timings
+                    t0 = time.perf_counter()
+                    counts = await asyncio.wait_for(
+                        asyncio.gather(
+                            *[one(llm, routed, p, i, args.max_tokens) for i, p in enumerate(ps)]
+                        ),
+                        600,
+                    )
+                    dt = time.perf_counter() - t0
+                    result(bench="throughput", side=side, rep=rep, tokens=sum(counts),
+                           seconds=round(dt, 3), tok_per_s=round(sum(counts) / dt))  # fmt: skip
         finally:
-            llm.shutdown()
+            for _, llm, _ in llms:
+                llm.shutdown()
 
     asyncio.run(main())
 
@@ -217,20 +250,21 @@ def sync_bench(engine: VllmSamplerEngine, args, model_dir: Path) -> None:
     torch.cuda.empty_cache()
 
 
-def summarize() -> None:
+def summarize(ours: bool = True) -> None:
     def rates(side: str) -> list[float]:
         return [r["tok_per_s"] for r in RESULTS if r.get("side") == side] or [float("nan")]
 
     raw = max(rates("raw_asyncllm"))
     raw_median = float(np.median(rates("raw_asyncllm")))
-    summary = dict(bench="summary", raw_tok_per_s=raw,
-                   ours_sync_ratio=round(max(rates("ours_sync_threads")) / raw, 3),
-                   ours_futures_ratio=round(max(rates("ours_futures")) / raw, 3),
-                   # medians too: one rep on this machine spans 19-28k tok/s (2026-12-01)
-                   ours_sync_ratio_median=round(
-                       float(np.median(rates("ours_sync_threads"))) / raw_median, 3),
-                   ours_futures_ratio_median=round(
-                       float(np.median(rates("ours_futures"))) / raw_median, 3))  # fmt: skip
+    summary = dict(bench="summary", raw_tok_per_s=raw)
+    if ours:
+        summary.update(ours_sync_ratio=round(max(rates("ours_sync_threads")) / raw, 3),
+                       ours_futures_ratio=round(max(rates("ours_futures")) / raw, 3),
+                       # medians too: one rep on this machine spans 19-28k tok/s (2026-12-01)
+                       ours_sync_ratio_median=round(
+                           float(np.median(rates("ours_sync_threads"))) / raw_median, 3),
+                       ours_futures_ratio_median=round(
+                           float(np.median(rates("ours_futures"))) / raw_median, 3))  # fmt: skip
     plain = rates("raw_asyncllm_no_routed_experts")
     if plain[0] == plain[0]:  # measured (not NaN): R3's record on vs off, raw vLLM
         summary["routed_experts_cost"] = round(1.0 - raw_median / float(np.median(plain)), 3)
@@ -251,23 +285,39 @@ def main() -> None:
         os.environ.setdefault(k, v)
     model_dir = args.model_dir or build_model(Path(tempfile.mkdtemp(prefix="qwen3_")))
     ps = prompts(args.prompts, args.prompt_len, seed=1)
-    t0 = time.perf_counter()
-    engine = VllmSamplerEngine(model_dir, gpu_memory_utilization=args.gpu_mem,
-                               max_model_len=2048, enforce_eager=args.eager,
-                               return_routed_experts=args.routed_experts)  # fmt: skip
-    result(bench="start", side="ours", seconds=round(time.perf_counter() - t0, 1))
-    try:
-        ours_throughput(engine, args, ps)
-        if not args.skip_sync:
-            sync_bench(engine, args, model_dir)
-    finally:
-        engine.close()
-    if not args.skip_raw:
-        raw_throughput(engine.engine_kwargs, args, ps)
+    if args.raw_only:  # the engine args ours would pass, less its worker extension
+        kwargs = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+                      gpu_memory_utilization=args.gpu_mem, max_model_len=2048,
+                      enforce_eager=args.eager, seed=0, max_num_seqs=256,
+                      attention_backend="TRITON_ATTN", logprobs_mode="raw_logprobs",
+                      enable_prefix_caching=True, disable_log_stats=True,
+                      enable_return_routed_experts=args.routed_experts,
+                      **args.engine_args)  # fmt: skip
+    else:
+        os.environ["R3PROF_PHASE"] = "ours"
+        t0 = time.perf_counter()
+        engine = VllmSamplerEngine(model_dir, gpu_memory_utilization=args.gpu_mem,
+                                   max_model_len=2048, enforce_eager=args.eager,
+                                   return_routed_experts=args.routed_experts,
+                                   extra_engine_args=args.engine_args or None)  # fmt: skip
+        result(bench="start", side="ours", seconds=round(time.perf_counter() - t0, 1))
+        try:
+            ours_throughput(engine, args, ps)
+            if not args.skip_sync:
+                sync_bench(engine, args, model_dir)
+        finally:
+            engine.close()
+        kwargs = engine.engine_kwargs
+    if not args.skip_raw and args.routed_experts and args.interleave:
+        plain = {**kwargs, "enable_return_routed_experts": False}
+        raw_sides([("raw_asyncllm", kwargs), ("raw_asyncllm_no_routed_experts", plain)], args, ps)
+        summarize(ours=not args.raw_only)
+    elif not args.skip_raw:
+        raw_throughput(kwargs, args, ps)
         if args.routed_experts:
-            plain = {**engine.engine_kwargs, "enable_return_routed_experts": False}
+            plain = {**kwargs, "enable_return_routed_experts": False}
             raw_throughput(plain, args, ps, side="raw_asyncllm_no_routed_experts")
-        summarize()
+        summarize(ours=not args.raw_only)
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "gpu_vllm.json").write_text(json.dumps(RESULTS, indent=1))
 

@@ -1,6 +1,7 @@
 """Build a random-weight Qwen3 of a real shape on the device (no hub there): `--shape 0.6b|1.7b`,
 or `30b-a3b-4l`: Qwen3-30B-A3B's width (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
-top-8 of width 768, untied) at 4 layers (3.1 B parameters, `qwen3_moe`), or `35b-a3b-4l`:
+top-8 of width 768, untied) at 4 layers (3.1 B parameters, `qwen3_moe`; `30b-a3b`: all 48, config
+only with `--config-only`), or `35b-a3b-4l`:
 Qwen3.6-35B-A3B's text width (transformers' `Qwen3_5MoeTextConfig` defaults: hidden 2048, 256
 experts top-8 of width 512 and a shared expert, Gated DeltaNet 3 : 1 gated attention, vocabulary
 248,320) at 4 layers (`qwen3_5_moe_text`).
@@ -33,6 +34,11 @@ MOE_SHAPES = {  # config.json of Qwen/Qwen3-30B-A3B, 4 of its 48 layers
     "30b-a3b-4l": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+    # All 48 layers (30.5 B parameters, 61 GB in bf16): build it with --config-only and serve
+    # it with vLLM's load_format="dummy" (random weights made on the GPU, nothing on disk).
+    "30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
+                    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
     # The same layers with 32 of the 128 experts (top-8 kept): real attention and expert widths,
     # small enough for the whole local backend on one GPU with two trainers (the e2e test).
     "30b-a3b-4l-32e": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
@@ -46,13 +52,14 @@ HYBRID_SHAPES = {  # Qwen3.6-35B-A3B's text model (the config class defaults), 4
     # The same layers with 32 of the 256 experts (top-8 kept): real GDN, attention and expert widths
     # in a model small enough for a device call of a few minutes (a smoke run of the GPU path).
     "35b-a3b-4l-32e": dict(
-        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_experts=32,
     ),
 }
 
 
-def build(shape: str, out: Path, seed: int = 0) -> Path:
+def build(shape: str, out: Path, seed: int = 0, config_only: bool = False) -> Path:
     if (out / "config.json").is_file():
         return out
     if shape in MOE_SHAPES:
@@ -66,6 +73,10 @@ def build(shape: str, out: Path, seed: int = 0) -> Path:
         model_class = Qwen3_5MoeForCausalLM
     else:
         config, model_class = _dense_config(shape), Qwen3ForCausalLM
+    if config_only:  # for vLLM's load_format="dummy"
+        config.dtype, config.architectures = torch.bfloat16, [model_class.__name__]
+        config.save_pretrained(out)
+        return out
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -90,5 +101,8 @@ if __name__ == "__main__":
     shapes = sorted(SHAPES) + sorted(MOE_SHAPES) + sorted(HYBRID_SHAPES)
     parser.add_argument("--shape", choices=shapes, default="0.6b")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--config-only", action="store_true", help="config.json only (vLLM load_format=dummy)"
+    )
     args = parser.parse_args()
-    print(build(args.shape, args.out))
+    print(build(args.shape, args.out, config_only=args.config_only))

@@ -41,6 +41,11 @@
 #                                    the Triton kernels compiled (file time, name)
 #   vllm_moe                         after setup_moe: gpu_vllm.py on that MoE, routed experts on,
 #                                    vs raw vLLM with and without them
+#   vllm_r3   carry [".w5"]          after setup1-2: where returning routed experts (R3) costs
+#                                    tokens/s: raw vLLM R3 on/off and our engine, eager and CUDA
+#                                    graphs, vLLM's step methods timed (benchmarks/r3prof)
+#   moe_mb                           megatron vs torch engine on the 30B-A3B-width MoE per
+#                                    micro-batch size (8k..64k tokens), one variant per process
 #   nccl      (nvidia-h200-x2)       NCCL in-flight sync: ours vs vLLM's stock weight-transfer API
 #   tp        (nvidia-h200-x2)       megatron engine at TP=2 vs TP=1 (tests/gpu/test_megatron_tp.py)
 #   mfu                              megatron MFU per speed switch vs baseline vs torch (~4 min;
@@ -187,6 +192,48 @@ case "$stage" in
     python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-30b-a3b-4l-32e --routed-experts \
       --skip-sync --eager --reps "${REPS:-3}" > "$OUT/vllm_moe.log" 2>&1 || tail -40 "$OUT/vllm_moe.log"
     grep RESULT "$OUT/vllm_moe.log" | tail -12 ;;
+  vllm_r3)   # carry [".w5"] (setup_moe's library, unpacked here when missing): where R3's cost
+    # goes. Per mode (R3_MODES: eager, graphs = CUDA graphs + compile, our engine's MoE default),
+    # one process: our engine (R3 on), raw vLLM R3 on, raw vLLM R3 off, each method of vLLM's step
+    # timed in every process (benchmarks/r3prof); R3_ARGS="--raw-only --interleave": raw vLLM on
+    # and off alive together, reps alternating. R3_DEEP=1 adds raw vLLM on/off on R3_DEEP_LAYERS
+    # (48) layers of Qwen3-30B-A3B (dummy weights; CUDA graphs unless R3_DEEP_FLAGS=--eager).
+    so=/tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
+    [ -f "$so" ] || xz -dc .w5/_moe_C_stable_libtorch.abi3.so.xz > "$so"
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l-32e --out /tmp/models/qwen3-30b-a3b-4l-32e
+    for mode in ${R3_MODES:-eager graphs}; do
+      mkdir -p "$OUT/$mode"; flag=""; [ "$mode" = eager ] && flag=--eager
+      R3PROF_DIR="/tmp/r3prof/$mode" PYTHONPATH="$PWD/benchmarks/r3prof:$PYTHONPATH" OUT=/tmp \
+        timeout "${R3_MODE_S:-250}" python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-30b-a3b-4l-32e \
+        --routed-experts --skip-sync $flag --reps "${REPS:-3}" ${R3_ARGS:-} > "$OUT/$mode/vllm.log" 2>&1 || tail -20 "$OUT/$mode/vllm.log"
+      echo "== $mode"; grep RESULT "$OUT/$mode/vllm.log" | grep -v '"bench": "start"' | tail -12
+      python3 benchmarks/r3prof/merge.py "/tmp/r3prof/$mode" "$OUT/$mode/r3prof.json" | grep -v " 0.00[0-9] ms/step"
+    done
+    if [ "${R3_DEEP:-0}" = 1 ]; then
+      mkdir -p "$OUT/deep"
+      python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b --out /tmp/models/qwen3-30b-a3b-cfg --config-only
+      R3PROF_DIR=/tmp/r3prof/deep PYTHONPATH="$PWD/benchmarks/r3prof:$PYTHONPATH" OUT=/tmp \
+        timeout "${R3_DEEP_S:-250}" python3 benchmarks/gpu_vllm.py --model-dir /tmp/models/qwen3-30b-a3b-cfg \
+        --raw-only --routed-experts ${R3_DEEP_FLAGS:-} --gpu-mem "${R3_DEEP_MEM:-0.75}" --reps "${REPS_DEEP:-2}" \
+        --engine-args "{\"load_format\": \"dummy\", \"hf_overrides\": {\"num_hidden_layers\": ${R3_DEEP_LAYERS:-48}}}" \
+        > "$OUT/deep/vllm.log" 2>&1 || tail -20 "$OUT/deep/vllm.log"
+      echo "== deep"; grep RESULT "$OUT/deep/vllm.log" | tail -6
+      python3 benchmarks/r3prof/merge.py /tmp/r3prof/deep "$OUT/deep/r3prof.json" | grep -v " 0.00[0-9] ms/step"
+    fi ;;
+  moe_mb)   # issue 19's training goal: megatron (grouped experts) vs torch engine on the 4-layer
+    # Qwen3-30B-A3B width at seq 4096, 16 sequences a step, per tokens-per-micro-batch size, one
+    # variant per process (a deleted megatron engine leaves ~29 GiB behind); MB_PROFILE names
+    # the variants to profile one more step of (top kernels)
+    python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l --out /tmp/models/qwen3-30b-a3b-4l
+    for v in ${MB_VARIANTS:-torch torch_mb16k torch_mb32k torch_mb64k all all_mb32k all_mb64k}; do
+      mkdir -p "/tmp/mb_$v"
+      # shellcheck disable=SC2086
+      OUT="/tmp/mb_$v" timeout "${MB_VARIANT_S:-150}" python3 benchmarks/gpu_mfu.py --model-dir /tmp/models \
+        --shape 30b-a3b-4l --batch 16 --variants "$v" --profile "${MB_PROFILE:-none}" ${MB_ARGS:-} \
+        > "$OUT/mb_$v.log" 2>&1 || { echo "$v rc=$?"; tail -4 "$OUT/mb_$v.log"; }
+      grep "^RESULT {\"$v\"" "$OUT/mb_$v.log" | cut -c1-600
+      grep -A16 "^profile $v" "$OUT/mb_$v.log"
+    done ;;
   nccl)
     python3 benchmarks/gpu_nccl_sync.py --model-dir /tmp/models/qwen3-0.6b > "$OUT/nccl.log" 2>&1 \
       || tail -40 "$OUT/nccl.log"
