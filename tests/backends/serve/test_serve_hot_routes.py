@@ -4,7 +4,6 @@ the FastAPI routes give (status, body, retry header), and other methods still re
 import httpx
 import pytest
 
-from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 from oneloop.backends.megatron_local.serve.hot_routes import HotRoutes
 
@@ -28,14 +27,6 @@ BODIES = {
         b'{"request_id": 5}',
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    backend = connect(BackendConfig(backend="local", run_dir=tmp_path_factory.mktemp("hot"),
-                                    local={"torch_threads": 1}))  # fmt: skip
-    yield backend
-    backend.close()
 
 
 @pytest.fixture(scope="module")

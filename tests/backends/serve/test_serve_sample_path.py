@@ -9,21 +9,12 @@ import pytest
 import tinker
 from tinker import types
 
-from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.sampling_client import LocalSamplingClient
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread, service
 from oneloop.tiny.model import TINY_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 SERVER_THREAD = "oneloop-serve"  # ServerThread's thread, which runs the event loop
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    backend = connect(BackendConfig(backend="local", run_dir=tmp_path_factory.mktemp("path"),
-                                    local={"torch_threads": 1}))  # fmt: skip
-    yield backend
-    backend.close()
 
 
 @pytest.fixture(scope="module")

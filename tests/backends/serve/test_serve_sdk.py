@@ -9,7 +9,6 @@ import torch
 from tinker import types
 from tinker.types import RequestErrorCategory
 
-from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.losses import compute_loss
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread
 from oneloop.backends.sequence_ids import sampled_version
@@ -17,19 +16,6 @@ from oneloop.tiny.model import TINY_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 CLIENT_KEY = "tml-any-key-on-loopback"
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    svc = connect(
-        BackendConfig(
-            backend="local",
-            run_dir=tmp_path_factory.mktemp("serve_runs"),
-            local={"torch_threads": 1},
-        )
-    )
-    yield svc
-    svc.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import zstandard
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from oneloop.backends import BackendConfig, connect
 from oneloop.backends.megatron_local.serve import ServeConfig, ServerThread, serve_main
 from oneloop.backends.megatron_local.serve.security import (
     API_KEY_ENV,
@@ -22,19 +21,6 @@ from oneloop.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 KEY = "tml-serve-secret-0123456789"
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    svc = connect(
-        BackendConfig(
-            backend="local",
-            run_dir=tmp_path_factory.mktemp("serve_sec"),
-            local={"torch_threads": 1},
-        )
-    )
-    yield svc
-    svc.close()
 
 
 def test_loopback_detection():
