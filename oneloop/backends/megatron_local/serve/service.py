@@ -521,8 +521,6 @@ class ServeService:
             self.store.discard(request_id)
             raise backend_error(e) from e
         result = await_backend(submitted, self.limits.result_timeout_s)
-        if not slot.fixed_weights:  # awaited below as well as by the store's task
-            result = asyncio.ensure_future(result)
         created_version = getattr(client, "version", 0)
 
         def encode(resp: types.SampleResponse) -> Outcome:
@@ -536,17 +534,19 @@ class ServeService:
                                             _prompt_logprobs_list=values)
             return Outcome(encode_sample_response(resp), PROTO)
 
-        self.store.start(request_id, result, encode)
         versions = [created_version] * req.num_samples
-        if not slot.fixed_weights:
+        if slot.fixed_weights:
+            # Acked at once (the SDK's long poll then overlaps the sampling): its version is exact.
+            self.store.start(request_id, result, encode)
+        else:
             # An inflight sample may start on newer weights than the client's: wait (briefly) so
             # the ids carry the version it ran on. A failure here is the request's result,
-            # reported through /retrieve_future like any other. A fixed-weights sampler is acked
-            # at once (the SDK's long poll then overlaps the sampling): its version is exact.
-            assert isinstance(result, asyncio.Future)
-            await asyncio.wait({result}, timeout=self.limits.sample_ack_wait_s)
-            if result.done() and not result.cancelled() and result.exception() is None:
-                done = sampled_versions(result.result())  # the batch's one version
+            # reported through /retrieve_future like any other.
+            task = asyncio.ensure_future(result)  # awaited here and by the store
+            self.store.start(request_id, task, encode)
+            await asyncio.wait({task}, timeout=self.limits.sample_ack_wait_s)
+            if task.done() and not task.cancelled() and task.exception() is None:
+                done = sampled_versions(task.result())  # the batch's one version
                 versions = [v if d is None else d for v, d in zip(versions, done, strict=False)]
         base = req.seq_id * MAX_SAMPLES_PER_REQUEST
         ids = [make_sequence_id(slot.sampler_id, v, base + i) for i, v in enumerate(versions)]
