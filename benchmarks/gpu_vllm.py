@@ -5,7 +5,9 @@
      prints the ratio (goal >= 0.97).
      With `--routed-experts` (a MoE model): our engine and raw vLLM return every sequence's routed
      experts (R3's record), and raw vLLM runs once more without them: the record's cost in
-     tokens/s (goal <= 5 %). `--interleave`: those two raw engines alive together, the reps
+     tokens/s (goal <= 5 %). R3 on runs our scheduler (`engines/vllm/routing.py`: each
+     request's record read once, when it finishes); `--stock-routing` adds raw vLLM with its own
+     per-step pieces beside it. `--interleave`: those two raw engines alive together, the reps
      alternating (rep-to-rep spread on the device is 20-30 %, and a side run last drifted);
      `--raw-only --engine-args '{"load_format": "dummy", ...}'`: raw vLLM alone, e.g. deeper.
 (ii) in-flight weight sync with N requests decoding: pause window and effective GB/s of
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from oneloop.backends.megatron_local.engines.base import SampleRequest
+from oneloop.backends.megatron_local.engines.vllm.routing import SCHEDULER_CLS
 from oneloop.backends.megatron_local.engines.vllm.sampler import VllmSamplerEngine
 from oneloop.backends.megatron_local.weight_sync.ipc import make_ipc_weights, pack_for_engine
 from oneloop.backends.megatron_local.weight_sync.layout import pack_flat
@@ -68,6 +71,11 @@ def parse() -> argparse.Namespace:
         "--interleave",
         action="store_true",
         help="--routed-experts: raw vLLM with and without them alive together, reps alternating",
+    )
+    ap.add_argument(
+        "--stock-routing",
+        action="store_true",
+        help="--routed-experts: also raw vLLM with its own per-step routing pieces (not ours)",
     )
     ap.add_argument(
         "--raw-only",
@@ -269,6 +277,11 @@ def summarize(ours: bool = True) -> None:
     if plain[0] == plain[0]:  # measured (not NaN): R3's record on vs off, raw vLLM
         summary["routed_experts_cost"] = round(1.0 - raw_median / float(np.median(plain)), 3)
         summary["routed_experts_cost_best"] = round(1.0 - raw / max(plain), 3)
+        stock = rates("raw_asyncllm_stock_routing")
+        if stock[0] == stock[0]:  # vLLM's own per-step pieces, same machine, same run
+            summary["routed_experts_cost_stock"] = round(
+                1.0 - float(np.median(stock)) / float(np.median(plain)), 3
+            )
     for path in ("ipc", "ipc-hf", "hf"):
         windows = [r["window_ms"] for r in RESULTS if r.get("path") == path]
         rates = [r["load_GBps"] for r in RESULTS if r.get("path") == path]
@@ -292,6 +305,7 @@ def main() -> None:
                       attention_backend="TRITON_ATTN", logprobs_mode="raw_logprobs",
                       enable_prefix_caching=True, disable_log_stats=True,
                       enable_return_routed_experts=args.routed_experts,
+                      **({"scheduler_cls": SCHEDULER_CLS} if args.routed_experts else {}),
                       **args.engine_args)  # fmt: skip
     else:
         os.environ["R3PROF_PHASE"] = "ours"
@@ -308,15 +322,22 @@ def main() -> None:
         finally:
             engine.close()
         kwargs = engine.engine_kwargs
+    # R3 on: raw_asyncllm has our scheduler (`vllm.routing`: the record read once a request),
+    # the stock side vLLM's own (a piece per step); R3 off runs vLLM's stock scheduler.
+    stock = {k: v for k, v in kwargs.items() if k != "scheduler_cls"}
+    plain = {**stock, "enable_return_routed_experts": False}
     if not args.skip_raw and args.routed_experts and args.interleave:
-        plain = {**kwargs, "enable_return_routed_experts": False}
-        raw_sides([("raw_asyncllm", kwargs), ("raw_asyncllm_no_routed_experts", plain)], args, ps)
+        sides = [("raw_asyncllm", kwargs), ("raw_asyncllm_no_routed_experts", plain)]
+        if args.stock_routing:
+            sides.append(("raw_asyncllm_stock_routing", stock))
+        raw_sides(sides, args, ps)
         summarize(ours=not args.raw_only)
     elif not args.skip_raw:
         raw_throughput(kwargs, args, ps)
         if args.routed_experts:
-            plain = {**kwargs, "enable_return_routed_experts": False}
             raw_throughput(plain, args, ps, side="raw_asyncllm_no_routed_experts")
+            if args.stock_routing:
+                raw_throughput(stock, args, ps, side="raw_asyncllm_stock_routing")
         summarize(ours=not args.raw_only)
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "gpu_vllm.json").write_text(json.dumps(RESULTS, indent=1))

@@ -28,6 +28,7 @@ from oneloop.backends.megatron_local.engines.base import DatumArrays, LoraSpec  
 from oneloop.backends.megatron_local.engines.torch.trainer import (  # noqa: E402
     TorchTrainerEngine,
 )
+from oneloop.backends.megatron_local.engines.vllm.routing import SCHEDULER_CLS  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
 
@@ -51,7 +52,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _vllm_samples(model_dir: Path) -> list[tuple[np.ndarray, list[int], list[float], np.ndarray]]:
-    """(prompt, tokens, sampled-token logprobs, routed experts) per prompt, from raw vLLM."""
+    """(prompt, tokens, sampled-token logprobs, routed experts) per prompt, from vLLM with our
+    scheduler (`vllm.routing`: the record read once per finished request)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -59,6 +61,7 @@ def _vllm_samples(model_dir: Path) -> list[tuple[np.ndarray, list[int], list[flo
     llm = LLM(
         str(model_dir), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.4,
         max_model_len=1024, enable_return_routed_experts=True, skip_tokenizer_init=True,
+        scheduler_cls=SCHEDULER_CLS,  # the record our sampler engine returns
     )  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150000, PROMPT_TOKENS) for _ in range(PROMPTS)]
@@ -69,7 +72,9 @@ def _vllm_samples(model_dir: Path) -> list[tuple[np.ndarray, list[int], list[flo
     for prompt, out in zip(prompts, outputs, strict=True):
         done = out.outputs[0]
         logprobs = [d[t].logprob for d, t in zip(done.logprobs, done.token_ids, strict=True)]
-        samples.append((prompt, list(done.token_ids), logprobs, np.asarray(done.routed_experts)))
+        routed = np.asarray(done.routed_experts)
+        assert routed.shape[0] == len(prompt) + len(done.token_ids) - 1, routed.shape
+        samples.append((prompt, list(done.token_ids), logprobs, routed))
     del llm
     torch.cuda.empty_cache()
     return samples
@@ -107,3 +112,67 @@ def test_vllm_routing_replay_lowers_the_trainer_sampler_gap(model_dir):
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "moe_r3.json").write_text(json.dumps(figures, indent=1))
     assert figures["gap_replay_mean"] < figures["gap_free_mean"], figures
+
+
+CHECKED: list[tuple[str, np.ndarray, np.ndarray]] = []  # (request id, vLLM's pieces, ours)
+
+
+class _CheckingScheduler:
+    """`RoutingAtFinish` with vLLM's own per-step pieces left on beside it: every finished
+    request's record is kept both ways (in-process engine core, so the test reads `CHECKED`)."""
+
+    def __new__(cls, *args, vllm_config, **kwargs):
+        from oneloop.backends.megatron_local.engines.vllm.routing import _scheduler_classes
+
+        base = _scheduler_classes()[bool(vllm_config.scheduler_config.async_scheduling)]
+
+        class Checking(base):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                self.enable_return_routed_experts = True  # vLLM's pieces as well
+                self.pieces: dict[str, list[np.ndarray]] = {}
+
+            def _attach_routing(self, outputs):
+                for engine_outputs in outputs.values():
+                    for out in engine_outputs.outputs:
+                        if out.routed_experts is not None:
+                            self.pieces.setdefault(out.request_id, []).append(out.routed_experts)
+                ours = dict(self._finished_routing)
+                super()._attach_routing(outputs)
+                for rid, routing in ours.items():
+                    CHECKED.append((rid, np.concatenate(self.pieces.pop(rid)), routing))
+
+        return Checking(*args, vllm_config=vllm_config, **kwargs)
+
+
+def test_routing_read_at_finish_equals_vllms_per_step_pieces(model_dir):
+    """The record `RoutingAtFinish` reads once per finished request equals, row for row and in
+    dtype, the one vLLM assembles from its per-step pieces: prompts sampled twice (n=2), ragged
+    lengths, and a second round on the same prompts that reads the prompt rows through prefix
+    cache hits."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        str(model_dir), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.4,
+        max_model_len=1024, enable_return_routed_experts=True, skip_tokenizer_init=True,
+        enable_prefix_caching=True, scheduler_cls=_CheckingScheduler,
+    )  # fmt: skip
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 150000, int(rng.integers(8, 96))) for _ in range(PROMPTS)]
+    requests = [TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts]
+    for round_ in range(2):
+        params = [
+            SamplingParams(n=2, temperature=1.0, max_tokens=int(rng.integers(1, NEW_TOKENS)),
+                           seed=round_ * 1000 + i, ignore_eos=True, detokenize=False)
+            for i in range(PROMPTS)
+        ]  # fmt: skip
+        llm.generate(requests, params)
+    del llm
+    torch.cuda.empty_cache()
+    assert len(CHECKED) == 2 * 2 * PROMPTS
+    for rid, theirs, ours in CHECKED:
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (rid, ours.shape)
+        assert np.array_equal(ours, theirs), rid
+    print("RESULT routing_at_finish", {"requests": len(CHECKED), "equal": True})

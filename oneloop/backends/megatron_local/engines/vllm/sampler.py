@@ -31,7 +31,9 @@
   received straight into the parameters' storage over a group opened by `open_weight_group`).
 - Rollout routing replay (`return_routed_experts`, MoE models): vLLM's
   `enable_return_routed_experts`; every sampled sequence carries the experts each MoE layer routed
-  each fed position to (`SampledArrays.routed_experts`, the record the trainer replays).
+  each fed position to (`SampledArrays.routed_experts`, the record the trainer replays), read once
+  per finished request from vLLM's slot buffer (`vllm.routing`; `routing_at_finish=False` keeps
+  vLLM's own per-step pieces).
 - Tensor parallelism (`tp` > 1, `local.vllm.tp`): vLLM's worker processes on the actor's tp GPUs;
   every load is a `collective_rpc` that each worker runs on its own shard (the Hugging Face path:
   vLLM's loader slices each tensor per rank), and `SyncRecord.workers` counts the ranks that
@@ -61,6 +63,7 @@ from oneloop.backends.megatron_local.engines.vllm.outputs import (
     prompt_logprob_array,
     sequence,
 )
+from oneloop.backends.megatron_local.engines.vllm.routing import SCHEDULER_CLS
 from oneloop.backends.megatron_local.weight_sync.ipc import CudaIpcWeights
 from oneloop.backends.megatron_local.weight_sync.nccl import NcclWeights
 from oneloop.errors import BackendError, RequestError
@@ -118,10 +121,12 @@ class VllmSamplerEngine(SamplerEngine):
         max_snapshots: int = 8,
         tp: int = 1,
         return_routed_experts: bool = False,
+        routing_at_finish: bool = True,
     ) -> None:
         # tp > 1: vLLM's own worker processes on the actor's tp GPUs (its "mp" executor); the
         # default would pick Ray's executor inside our placement group and find no bundle free.
         parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+        routing = {"scheduler_cls": SCHEDULER_CLS}  # R3 records read once a request (`routing`)
         self.engine_kwargs = dict(
             model=str(model_path),
             skip_tokenizer_init=True,
@@ -137,6 +142,7 @@ class VllmSamplerEngine(SamplerEngine):
             enable_prefix_caching=True,
             disable_log_stats=True,
             enable_return_routed_experts=return_routed_experts,
+            **(routing if return_routed_experts and routing_at_finish else {}),
             **(parallel if tp > 1 else {}),
             **(lora.engine_args() if lora is not None else {}),
             **(extra_engine_args or {}),
