@@ -85,12 +85,13 @@ def _scheduler_classes() -> dict[bool, type]:
                     outputs = super().update_from_output(scheduler_output, model_runner_output)
                 finally:
                     self._in_update = False
-                if self._finished_routing:
-                    self._attach_routing(outputs)
+                self._attach_routing(outputs)
                 return outputs
 
             def _attach_routing(self, outputs: dict[int, Any]) -> None:
                 """Put each finished request's record on its output of this step."""
+                if not self._finished_routing:
+                    return
                 for engine_outputs in outputs.values():
                     for output in engine_outputs.outputs:
                         routing = self._finished_routing.pop(output.request_id, None)
