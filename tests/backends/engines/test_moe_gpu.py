@@ -124,9 +124,9 @@ class _CheckingScheduler:
     request's record is kept both ways (in-process engine core, so the test reads `CHECKED`)."""
 
     def __new__(cls, *args, vllm_config, **kwargs):
-        from oneloop.backends.megatron_local.engines.vllm.routing import _scheduler_classes
+        from oneloop.backends.megatron_local.engines.vllm.routing import scheduler_classes
 
-        base = _scheduler_classes()[bool(vllm_config.scheduler_config.async_scheduling)]
+        base = scheduler_classes()[bool(vllm_config.scheduler_config.async_scheduling)]
 
         class Checking(base):
             def __init__(self, *a, **kw):

@@ -42,12 +42,14 @@ class RoutingAtFinish:
 
     def __new__(cls, *args: Any, vllm_config: Any, **kwargs: Any) -> Any:
         asynchronous = bool(vllm_config.scheduler_config.async_scheduling)
-        return _scheduler_classes()[asynchronous](*args, vllm_config=vllm_config, **kwargs)
+        return scheduler_classes()[asynchronous](*args, vllm_config=vllm_config, **kwargs)
 
 
 @functools.cache
-def _scheduler_classes() -> dict[bool, type]:
-    """{async_scheduling: class}; built on first use (vLLM is imported only where it runs)."""
+def scheduler_classes() -> dict[bool, type]:
+    """{async_scheduling: the scheduler class}, built on first use (vLLM is imported only where it
+    runs); subclass these to extend the scheduler further (the GPU test checks against vLLM's
+    own pieces that way)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
