@@ -4,9 +4,11 @@ import asyncio
 import io
 import json
 import os
+import random
 import subprocess
 import sys
 import tomllib
+from collections import Counter
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from oneloop.agents.demo_tasks.demonstrations import (
     demonstration,
     mistaken_questions,
 )
+from oneloop.agents.demo_tasks.generator import make_question
 from oneloop.agents.demo_tasks.server import (
     CRASH_EXIT_CODE,
     HUGE_RESULT_CHARS,
@@ -58,6 +61,29 @@ def test_generation_is_deterministic_split_and_correct(tmp_path: Path) -> None:
         assert f"What is {task.question.text}?" in (task.path / "instruction.md").read_text()
     with pytest.raises(ConfigError, match="n_train"):
         generate_tasks(tmp_path / "bad", n_train=-1, n_eval=0, seed=0)
+
+
+def test_no_intermediate_result_is_negative_and_every_operator_is_as_likely() -> None:
+    """Every intermediate result of every difficulty is a whole number >= 0 (the demo model
+    miscopies negative numbers under greedy decoding, see `make_question`), and on easy questions
+    each operator is drawn about a quarter of the time (`/` used to be about one in ten)."""
+    rng = random.Random(0)
+    counts: Counter[str] = Counter()
+    for difficulty in Difficulty:
+        for _ in range(2000):
+            question = make_question(rng, difficulty)
+            # Python's arithmetic on each left-nested prefix "(..(a op b) op c ..)" in turn.
+            first, *rest = question.text.replace("(", "").split(")")
+            value = eval(first)  # noqa: S307
+            assert value >= 0 and value == int(value), question.text
+            for part in rest:
+                value = eval(f"{value}{part}")  # noqa: S307
+                assert value >= 0 and value == int(value), question.text
+            assert value == question.answer
+            if difficulty is Difficulty.EASY:
+                counts[question.text.split()[1]] += 1
+    assert set(counts) == {"+", "-", "*", "/"}
+    assert min(counts.values()) > 0.2 * sum(counts.values()), counts
 
 
 def test_task_toml_is_valid_for_harbor(tmp_path: Path) -> None:

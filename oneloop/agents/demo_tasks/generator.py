@@ -86,15 +86,29 @@ def make_question(rng: random.Random, difficulty: Difficulty) -> Question:
     text = str(value)
     for step in range(_STEPS[difficulty]):
         op = rng.choice(_OPS)
-        if op == "/":
+        operand = 0
+        if op == "/" and step == 0:
+            # The first literal is redrawn as a multiple of the divisor, so that `/` is as
+            # likely as the other operators (it was about one question in ten).
+            operand = rng.randint(2, 12)
+            value = operand * rng.randint(1, max(1, top // operand))
+            text = str(value)
+        elif op == "/":
             divisors = [d for d in range(2, 13) if value != 0 and value % d == 0]
-            if not divisors:
+            if divisors:
+                operand = rng.choice(divisors)
+            else:
                 op = rng.choice(_OPS[:3])
+        if op == "-" and value < 2:
+            op = rng.choice(("+", "*"))
         if op == "/":
-            operand = rng.choice(divisors)
             value //= operand
         else:
-            operand = rng.randint(2, 12 if op == "*" else top)
+            # A difference never goes below zero: the tiny demo model miscopies negative results
+            # under greedy decoding (a tool answers -18, it submits -188), which RL on the choice
+            # of tool cannot fix and which hid what RL did learn.
+            high = min(top, value) if op == "-" else 12 if op == "*" else top
+            operand = rng.randint(2, high)
             value = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
         text = f"{text} {op} {operand}" if step == 0 else f"({text}) {op} {operand}"
     return Question(text=text, answer=value, difficulty=difficulty)
