@@ -147,6 +147,22 @@ def test_server_thread_connections_have_nagle_off(backend):
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
+def test_a_bound_socket_already_accepts_connections():
+    """Regression (CI, stop 33): `oneloop serve` printed its address once the socket was bound,
+    but only uvicorn's start made it listen, so a client that came in between was refused
+    (ECONNREFUSED). The socket listens from the bind on; the connection waits in the backlog."""
+    import socket
+
+    from oneloop.backends.megatron_local.serve.server import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=5):
+            pass
+    finally:
+        sock.close()
+
+
 def test_oneloop_serve_command_serves_and_stops(tmp_path):
     """`oneloop serve` as a subprocess: answers /healthz on loopback, exits cleanly on SIGINT."""
     import signal

@@ -57,6 +57,8 @@ STOP_GRACE_S = 45.0
 """Most seconds from the first SIGTERM/SIGINT to the end of `oneloop serve` (issue 21 bounds a
 stop at 60 s; the rest is the interpreter's own exit). uvicorn gets a third of it to finish
 open requests; the backend and Ray the rest."""
+LISTEN_BACKLOG = 2048
+"""uvicorn's own default, set at bind time (uvicorn sets it again when it starts serving)."""
 
 
 class ServeConfig(BaseModel):
@@ -171,7 +173,7 @@ def _backend(config: ServeConfig) -> Any:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on `host:port` (Nagle off: see `ServerThread`); a busy port
+    """A listening TCP socket on `host:port` (Nagle off: see `ServerThread`); a busy port
     or an address this host lacks is a one-line ConfigError naming it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -179,6 +181,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
+        # Listening from here on: a client that connects between the "serve on" line and
+        # uvicorn's first accept waits in the backlog instead of being refused.
+        sock.listen(LISTEN_BACKLOG)
     except OSError as error:
         sock.close()
         if error.errno == 98:  # EADDRINUSE
