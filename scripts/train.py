@@ -5,7 +5,7 @@
     python scripts/train.py --config demo-cpu --backend tinker --base-url http://127.0.0.1:8000 \
         --api-key tml-local
     python scripts/train.py --config qwen3-8b-1node algo.max_staleness=3 algo.max_steps=2
-    python scripts/train.py --config demo-cpu --resume              # continue from checkpoints.jsonl
+    python scripts/train.py --config demo-cpu --resume    # continue from checkpoints.jsonl
 """
 
 import sys

@@ -1,5 +1,5 @@
-"""The house rules of the layout, checked on the source (issue 17): every module of the package is at
-most 600 lines, no private name is imported from another file, and imports point down the layers
+"""The house rules of the layout, checked on the source (issue 17): every module of the package is
+at most 600 lines, no private name is imported from another file, and imports point down the layers
 (the loop → backends' front door and agents; front doors → runtime → engines → weight sync; nothing
 imports the loop; the serve codec never reaches back up to `oneloop.backends.connect`)."""
 
@@ -23,8 +23,8 @@ RUNTIME = tuple(
     )
 )
 
-# (importer prefix, imported prefixes it must not reach, why). A prefix matches the module itself and
-# everything below it; "=oneloop.backends" matches that one module (the package's `connect`).
+# (importer prefix, imported prefixes it must not reach, why). A prefix matches the module itself
+# and everything below it; "=oneloop.backends" matches that one module (the package's `connect`).
 RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("oneloop.errors", ("oneloop.",), "the error hierarchy is a leaf"),
     ("oneloop.tiny", ("oneloop.loop", "oneloop.backends", "oneloop.agents", "oneloop.diagnostics"),
@@ -34,7 +34,8 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
      "agents see only Tinker types, never the loop or a backend's insides"),
     ("oneloop.backends", ("oneloop.loop", "oneloop.diagnostics", "oneloop.cli", "oneloop.agents"),
      "components never import the loop"),
-    ("oneloop.loop", (LOCAL, "oneloop.backends.tinker_remote", "oneloop.diagnostics", "oneloop.cli"),
+    ("oneloop.loop",
+     (LOCAL, "oneloop.backends.tinker_remote", "oneloop.diagnostics", "oneloop.cli"),
      "the loop talks to backends through connect() and the Tinker surface only"),
     (f"{LOCAL}.serve", ("=oneloop.backends",), "serve builds the local service itself"),
     (f"{LOCAL}.engines", ("=oneloop.backends",) + FRONT_DOORS + RUNTIME,
@@ -101,7 +102,7 @@ def test_no_relative_imports_in_the_package() -> None:
 
 @pytest.mark.parametrize("folder", ["oneloop", "scripts", "benchmarks", "tests"])
 def test_no_private_name_imported_across_files(folder: str) -> None:
-    """A helper two files share has one public home; `from x import _helper` hides that it is shared."""
+    """A helper two files share has one public home; `from x import _helper` hides the sharing."""
     offenders = [
         f"{path.relative_to(ROOT)}:{line} {module}.{name}"
         for path in sorted((ROOT / folder).rglob("*.py"))
@@ -147,3 +148,25 @@ def test_the_slowest_files_listed_for_scheduling_exist() -> None:
 
     assert len(set(SLOWEST_FILES)) == len(SLOWEST_FILES)
     assert [p for p in SLOWEST_FILES if not (ROOT / p).is_file()] == []
+
+
+def test_ruff_finds_nothing(tmp_path: Path) -> None:
+    """STYLE.md's linter, run the way pyproject.toml configures it (line length 100, E F I UP B),
+    on every Python file of the repository; and it is really checking: a file with an unused
+    import and a 101-character line is flagged."""
+    import subprocess
+    import sys
+
+    def ruff(*paths: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise",
+             "--config", str(ROOT / "pyproject.toml"), *map(str, paths)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    found = ruff(ROOT)
+    assert found.returncode == 0, f"ruff check:\n{found.stdout}{found.stderr}"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\n" + "x = " + "1" * 97 + "\n")
+    flagged = ruff(bad)
+    assert flagged.returncode == 1 and "F401" in flagged.stdout and "E501" in flagged.stdout

@@ -108,9 +108,10 @@ def local_capabilities(
     """The local Ray backend: every built-in loss; both sampler kinds and LoRA with the torch
     engines. The vllm engine holds one live set of full weights, so full fine-tuning runs get
     `inflight` clients only (a snapshot would evict the weights in-flight clients sample from);
-    LoRA runs on vllm get both, each version being its own LoRA module (`lora_serving`). The megatron
-    engine trains LoRA at any TP size (`megatron.parallel.lora_tp`) but not with pipeline or context
-    parallelism (`megatron.group` refuses it): `megatron_tp_only` is false when pp or cp > 1.
+    LoRA runs on vllm get both, each version being its own LoRA module (`lora_serving`). The
+    megatron engine trains LoRA at any TP size (`megatron.parallel.lora_tp`) but not with pipeline
+    or context parallelism (`megatron.group` refuses it): `megatron_tp_only` is false when pp or
+    cp > 1.
     `vllm_routed_experts` is `local.vllm.return_routed_experts` (false: no R3 record on vllm)."""
     return Capabilities(
         backend="local",

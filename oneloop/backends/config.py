@@ -163,7 +163,8 @@ class LocalBackendConfig(_Strict):
     """Sampler engines per base model; requests are routed session-affine (a trajectory's turns
     go to one engine) and every weight sync reaches all of them."""
     max_snapshots: int = Field(default=8, gt=0)
-    """Snapshot weight sets a sampler keeps in memory; older ones are evicted (requests then fail clearly)."""
+    """Snapshot weight sets a sampler keeps in memory (count); older ones are evicted, and requests
+    for them then fail clearly."""
     ray_address: str | None = None
     """Address of an existing Ray cluster (`auto`: the one `ray start` runs on this node, as
     `scripts/cluster/` starts it); None starts a local one (`ray.init`)."""
@@ -248,11 +249,12 @@ class BackendConfig(_Strict):
     """Selects and configures the backend `connect` returns a ServiceClient for."""
 
     backend: Literal["local", "tinker"] = "local"
-    """`local` = Ray cluster of our engines; `tinker` = the official SDK against `tinker.base_url`."""
+    """`local` = Ray cluster of our engines; `tinker` = the official SDK at `tinker.base_url`."""
     run_dir: Path = Path("runs/backend")
     """Local backend: directory under which `tinker://<run>/...` checkpoints are stored."""
     models: dict[str, Path] = Field(default_factory=dict)
-    """Local backend: base-model name -> local Hugging Face directory (a name that is a directory works too)."""
+    """Local backend: base-model name -> local Hugging Face directory (a name that is a directory
+    works too)."""
     local: LocalBackendConfig = LocalBackendConfig()
     """Settings of the local backend."""
     tinker: TinkerBackendConfig = TinkerBackendConfig()

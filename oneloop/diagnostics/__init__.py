@@ -1,1 +1,2 @@
-"""Risk-removal commands run before spending GPU hours: `oneloop eval`, `oneloop inspect`, `oneloop size`."""
+"""Risk-removal commands run before spending GPU hours: `oneloop eval`, `oneloop inspect`,
+`oneloop size`."""

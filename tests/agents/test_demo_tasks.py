@@ -222,7 +222,11 @@ def test_the_injected_crash_does_not_count_the_handshake(monkeypatch) -> None:
     handshake = [
         {"jsonrpc": "2.0", "id": 0, "result": {"supportedVersions": ["2026-07-28"]}},
         {"jsonrpc": "2.0", "id": 1, "error": {"code": -32022, "message": "unsupported"}},
-        {"jsonrpc": "2.0", "id": 2, "result": {"protocolVersion": "2025-06-18", "capabilities": {}}},
+        {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "result": {"protocolVersion": "2025-06-18", "capabilities": {}},
+        },
         {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "x"}},
     ]
     listed = {"jsonrpc": "2.0", "id": 3, "result": {"tools": []}}

@@ -367,7 +367,9 @@ def test_a_misspelt_verifier_kwarg_is_an_infra_error_naming_it(tmp_path, monkeyp
     assert "verifier.kwargs.max_atempts: unknown to LlmJudgeVerifier" in error
 
 
-def test_trial_runner_config_selects_the_judge_verifier(judge_server, tmp_path, monkeypatch) -> None:
+def test_trial_runner_config_selects_the_judge_verifier(
+    judge_server, tmp_path, monkeypatch
+) -> None:
     """`rollout.verifier_import_path` / `verifier_kwargs` reach Harbor's TrialConfig: the trial
     the runner builds (run here in-process, as its Ray task would) is graded by the judge."""
     from oneloop.agents.trials import TrialRunner, TrialRunnerConfig, run_one_trial

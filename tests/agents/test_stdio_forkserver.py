@@ -1,4 +1,5 @@
-"""The stdio fork server: MCP servers forked from a preloaded copy behave as freshly started ones."""
+"""The stdio fork server: MCP servers forked from a preloaded copy behave as freshly started
+ones."""
 
 import asyncio
 import os

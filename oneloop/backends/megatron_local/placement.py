@@ -352,8 +352,8 @@ def plan_shapes(
     largest = max(n.gpus for n in nodes)
     if t.share and t.unit > largest:
         raise PlacementError(
-            f"trainer needs {t.unit} GPUs packed on one node for tp·lcm(cp,ep)={t.unit} (local.megatron "
-            f"tp={t.tp}, cp={t.cp}, ep={t.ep}); largest node has {largest}"
+            f"trainer needs {t.unit} GPUs packed on one node for tp·lcm(cp,ep)={t.unit} "
+            f"(local.megatron tp={t.tp}, cp={t.cp}, ep={t.ep}); largest node has {largest}"
         )
     trainer = _place_trainer(free, t, nodes)
     samplers = _place_samplers(free, s, nodes, largest)

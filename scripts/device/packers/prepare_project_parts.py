@@ -83,7 +83,9 @@ def carried_by_gpu_parts() -> set[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--device-list", type=Path, default=DEVICE_LIST,
                         help="names of the packages the device image has, one per line")
     parser.add_argument("--out-prefix", default=".wp", help="folders <prefix>1, <prefix>2, ...")
@@ -122,7 +124,10 @@ def main() -> int:
         for wheel in wheels:  # first fit, largest first
             size = wheel.stat().st_size
             if size > limit:
-                print(f"error: {wheel.name} is {size / 2**20:.1f} MiB, over --part-mib", file=sys.stderr)
+                print(
+                    f"error: {wheel.name} is {size / 2**20:.1f} MiB, over --part-mib",
+                    file=sys.stderr,
+                )
                 return 1
             for i, used in enumerate(sizes):
                 if used + size <= limit:

@@ -1,7 +1,8 @@
 """HF ⇄ Megatron parameter mapping of the `megatron` trainer engine (pure torch; runs in CI).
 
-The engine itself needs a GPU (Megatron's optimizer allocates on CUDA); its forward was checked equal
-to transformers' to 0.0 in fp32 on CPU with this mapping, and `tests/gpu/` checks it on the device.
+The engine itself needs a GPU (Megatron's optimizer allocates on CUDA); its forward was checked
+equal to transformers' to 0.0 in fp32 on CPU with this mapping, and `tests/gpu/` checks it on the
+device.
 """
 
 import pytest
@@ -49,7 +50,7 @@ def test_round_trip_is_exact(tied: bool) -> None:
 
 
 def test_qkv_is_grouped_per_kv_head() -> None:
-    """Megatron's linear_qkv rows: for each KV group, its query heads, then its key, then its value."""
+    """Megatron's linear_qkv rows: per KV group, its query heads, then its key, then its value."""
     shape, hf = random_qwen3(tied=True)
     qkv = hf_to_megatron(shape, hf)["decoder.layers.1.self_attention.linear_qkv.weight"]
     q, k, v = (hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")

@@ -38,7 +38,7 @@ ParamLayoutRows = list[tuple[str, str, tuple[int, ...]]]
 
 @dataclass(frozen=True)
 class DatumArrays:
-    """One training example: `tokens` = model_input, `targets` = target_tokens, `inputs` = the rest."""
+    """One training example: `tokens` = model_input, `targets` = target_tokens, `inputs` = rest."""
 
     tokens: np.ndarray  # int64 [T]
     targets: np.ndarray  # int64 [T]
@@ -75,9 +75,10 @@ class LoraAdapter:
     LoRA modules) instead of merged weights.
 
     `tensors` use PEFT's names on the Hugging Face model, e.g.
-    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([rank, in]) and `...lora_B.weight`
-    ([out, rank]); `target_modules` are the HF module suffixes (`q_proj`, ..., `lm_head`). The delta on
-    a target's weight is `alpha / rank · B @ A`. `write_peft` stores it as a PEFT adapter directory.
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([rank, in]) and
+    `...lora_B.weight` ([out, rank]); `target_modules` are the HF module suffixes (`q_proj`, ...,
+    `lm_head`). The delta on a target's weight is `alpha / rank · B @ A`. `write_peft` stores it as
+    a PEFT adapter directory.
     """
 
     rank: int
@@ -86,7 +87,8 @@ class LoraAdapter:
     tensors: dict[str, np.ndarray]  # float32
 
     def write_peft(self, directory: Path, base_model_path: str) -> Path:
-        """Write `adapter_config.json` + `adapter_model.safetensors` (what vLLM's LoRARequest loads)."""
+        """Write `adapter_config.json` + `adapter_model.safetensors` (vLLM's LoRARequest loads
+        them)."""
         import json
 
         from safetensors.numpy import save_file
@@ -151,7 +153,8 @@ class SampledArrays:
 
 @dataclass(frozen=True)
 class SampleOutput:
-    """All sequences of one request, the weight version they started on, and optional prompt logprobs."""
+    """All sequences of one request, the weight version they started on, and optional prompt
+    logprobs."""
 
     sequences: list[SampledArrays]
     version: int

@@ -103,5 +103,5 @@ def untie_embeddings(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
-    """The forward() keyword for the KV cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    """forward()'s keyword for the KV cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

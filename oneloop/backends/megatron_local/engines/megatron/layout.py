@@ -10,8 +10,9 @@ Megatron's fused layouts, which the mapping must reproduce exactly:
 - `linear_qkv.weight` [(H + 2G)·D, hidden] is grouped per KV group g: the H/G query heads of g,
   then g's key head, then g's value head (not q-block, k-block, v-block as in vLLM);
 - `linear_fc1.weight` [2·ffn, hidden] is gate rows then up rows (SwiGLU);
-- norms keep their names' roles: `input_layernorm`, `pre_mlp_layernorm` (HF post_attention_layernorm),
-  `q_layernorm`/`k_layernorm` (Qwen3 q_norm/k_norm), `decoder.final_layernorm`.
+- norms keep their names' roles: `input_layernorm`, `pre_mlp_layernorm` (HF
+  post_attention_layernorm), `q_layernorm`/`k_layernorm` (Qwen3 q_norm/k_norm),
+  `decoder.final_layernorm`.
 """
 
 from dataclasses import dataclass
@@ -197,7 +198,7 @@ def megatron_to_hf(shape: DenseShape, mega: dict[str, torch.Tensor]) -> dict[str
 
 
 def megatron_param_names(shape: DenseShape) -> list[str]:
-    """GPTModel (local spec) parameter names of `shape`, in the order `hf_to_megatron` yields them."""
+    """GPTModel (local spec) parameter names of `shape`, in `hf_to_megatron`'s order."""
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
     if not shape.tied:
         names.append("output_layer.weight")

@@ -39,8 +39,9 @@ leave the replicated adapters alone too (it TP-sums only QK-norm, sequence-paral
 `average_gradients_across_tp_domain` parameters), which is right: their gradients are complete
 (checked against TP = 1 by tests/backends/engines/megatron_cpu/test_megatron_lora_tp_gloo.py).
 Export (`adapter`, `merge`, `save`) all-gathers the split parts: a collective every rank must call;
-every rank gets full tensors and only rank 0 writes files. The init draws the full A on every rank and keeps the rank's part, so
-TP = 1 and TP > 1 start from the same adapter for the same seed.
+every rank gets full tensors and only rank 0 writes files. The init draws the full A on every
+rank and keeps the rank's part, so TP = 1 and TP > 1 start from the same adapter for the same
+seed.
 
 Limits: the local layer spec (TransformerEngine's fused norm + linear never exposes the normed
 input the adapter reads, so the engine builds LoRA runs on the local spec); no sequence
