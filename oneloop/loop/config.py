@@ -50,6 +50,9 @@ class DemoTasksConfig(_Strict):
     """Share of the demonstrations (`sft.data: demo`), by the question's last operator, that call
     the inverse tool (deliberately imperfect SFT for RL to correct; see
     `oneloop.agents.demo_tasks.demonstrations`); {} = none."""
+    n_demonstrations: int | None = Field(default=None, ge=1)
+    """Tasks drawn for the demonstrations of `sft.data: demo` only, apart from the training and
+    held-out tasks (count); null = demonstrate the training tasks themselves."""
 
 
 class TasksConfig(_Strict):

@@ -248,7 +248,8 @@ def check_capabilities(caps: Capabilities, cfg: TrainConfig, kind: str) -> None:
 
 async def sft_data_path(cfg: TrainConfig, splits: TaskSplits | None) -> Path:
     """The chat-conversation JSONL the warm start reads: `sft.data`, or for `sft.data: demo` the
-    demonstrations of the generated training tasks, written beside them (`DEMONSTRATIONS_FILE`)."""
+    demonstrations of the generated demonstration tasks (`tasks.demo.n_demonstrations`), else of
+    the training tasks, written beside them (`DEMONSTRATIONS_FILE`)."""
     assert cfg.sft is not None
     if cfg.sft.data != "demo":
         return Path(cfg.sft.data)
@@ -258,7 +259,11 @@ async def sft_data_path(cfg: TrainConfig, splits: TaskSplits | None) -> Path:
     fractions = dict(cfg.tasks.demo.wrong_tool_fraction)
     # In a thread: writing calls the calculator MCP server in process (its own event loop).
     return await asyncio.to_thread(
-        write_demonstrations, path, splits.train, fractions, cfg.agent.system_prompt
+        write_demonstrations,
+        path,
+        splits.demonstrations or splits.train,
+        fractions,
+        cfg.agent.system_prompt,
     )
 
 
@@ -282,8 +287,14 @@ def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]
         demo.n_eval,
         demo.seed,
         difficulties=tuple(Difficulty(d) for d in demo.difficulties),
+        # drawn after train and eval, so those do not change with it; only for a demo warm start
+        n_demonstrations=(demo.n_demonstrations or 0) if _demo_warm_start(cfg) else 0,
     )
     return splits, [t.path for t in splits.train], [t.path for t in splits.eval]
+
+
+def _demo_warm_start(cfg: TrainConfig) -> bool:
+    return cfg.sft is not None and cfg.sft.data == "demo"
 
 
 def _runner(run: Run, temperature: float) -> TrialRunner:

@@ -63,6 +63,26 @@ def test_generation_is_deterministic_split_and_correct(tmp_path: Path) -> None:
         generate_tasks(tmp_path / "bad", n_train=-1, n_eval=0, seed=0)
 
 
+def test_demonstration_tasks_are_drawn_apart_and_leave_train_and_eval_as_they_were(
+    tmp_path: Path,
+) -> None:
+    """`n_demonstrations` draws the warm start's questions after train and eval: the same seed
+    gives the same train and eval tasks with or without them, and no question is in two splits."""
+    plain = generate_tasks(tmp_path / "plain", n_train=12, n_eval=6, seed=7)
+    more = generate_tasks(tmp_path / "more", n_train=12, n_eval=6, seed=7, n_demonstrations=9)
+    assert plain.demonstrations == ()
+    assert [t.question for t in more.train + more.eval] == [
+        t.question for t in plain.train + plain.eval
+    ]
+    texts = [t.question.text for t in more.train + more.eval + more.demonstrations]
+    assert len(more.demonstrations) == 9 and len(set(texts)) == len(texts)
+    for task in more.demonstrations:
+        assert task.split == "demonstrations" and (task.path / "instruction.md").is_file()
+        assert eval(task.question.text) == task.question.answer  # noqa: S307
+    with pytest.raises(ConfigError, match="n_demonstrations"):
+        generate_tasks(tmp_path / "bad", n_train=1, n_eval=0, seed=0, n_demonstrations=-1)
+
+
 def test_no_intermediate_result_is_negative_and_every_operator_is_as_likely() -> None:
     """Every intermediate result of every difficulty is a whole number >= 0 (the demo model
     miscopies negative numbers under greedy decoding, see `make_question`), and on easy questions

@@ -187,3 +187,38 @@ def test_sft_data_is_required_and_demo_needs_the_demo_tasks(tmp_path: Path) -> N
     # A user's file works with the user's own tasks.
     cfg = load_config("demo-cpu", [f"tasks.dir={tmp_path}", f"sft.data={tmp_path}/x.jsonl"])
     assert cfg.sft.data == tmp_path / "x.jsonl"
+
+
+def test_demo_warm_start_demonstrates_its_own_tasks_not_the_training_ones(tmp_path: Path) -> None:
+    """With `tasks.demo.n_demonstrations` the demonstrations file holds exactly those tasks'
+    questions, in order (none of the RL training or held-out ones); without it, the training
+    tasks'."""
+    import asyncio
+
+    from oneloop.loop.train import sft_data_path, task_dirs
+
+    def demonstrated(run: str, *overrides: str) -> tuple[list[str], object]:
+        sizes = ["tasks.demo.n_train=6", "tasks.demo.n_eval=3"]
+        cfg = load_config("demo-cpu", [f"run_dir={tmp_path / run}", *sizes, *overrides])
+        splits, _, _ = task_dirs(cfg)
+        path = asyncio.run(sft_data_path(cfg, splits))
+        users = [
+            next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user")
+            for line in path.read_text().splitlines()
+        ]
+        return users, splits
+
+    def asked(tasks) -> list[str]:
+        return [f"What is {t.question.text}?" for t in tasks]
+
+    users, splits = demonstrated("apart", "tasks.demo.n_demonstrations=5")
+    assert len(users) == len(splits.demonstrations) == 5
+    assert [q in u for q, u in zip(asked(splits.demonstrations), users, strict=True)] == [True] * 5
+    assert not any(q in u for q in asked(splits.train + splits.eval) for u in users)
+    users, splits = demonstrated("same")
+    assert splits.demonstrations == ()
+    assert [q in u for q, u in zip(asked(splits.train), users, strict=True)] == [True] * 6
+    # No warm start, no demonstration tasks drawn.
+    cfg = load_config("demo-cpu", [f"run_dir={tmp_path / 'none'}", "tasks.demo.n_train=2",
+                                   "tasks.demo.n_demonstrations=5", "sft=null"])  # fmt: skip
+    assert task_dirs(cfg)[0].demonstrations == ()

@@ -1,9 +1,10 @@
 """The demo task family: calculator questions as Harbor tasks with a shipped stdio MCP server.
 
-`generate_tasks(out_dir, n_train, n_eval, seed) -> TaskSplits` writes the task directories;
+`generate_tasks(out_dir, n_train, n_eval, seed, n_demonstrations=0) -> TaskSplits` writes the task
+directories (train, held-out, and the warm start's own);
 `python -m oneloop.agents.demo_tasks.server` is the MCP server they declare; `verify.sh` is the
-verifier every task ships as `tests/test.sh`; `demonstrations.write_demonstrations` writes the
-training tasks' demonstrations as a chat-conversation JSONL (the demo preset's `sft.data: demo`).
+verifier every task ships as `tests/test.sh`; `demonstrations.write_demonstrations` writes
+tasks' demonstrations as a chat-conversation JSONL (the demo preset's `sft.data: demo`).
 """
 
 from oneloop.agents.demo_tasks.generator import (

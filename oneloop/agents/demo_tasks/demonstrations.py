@@ -1,25 +1,26 @@
 """Demonstrations of the demo task family: chat conversations with tool calls, written as JSONL.
 
-`write_demonstrations(path, tasks, wrong_tool_fraction)` writes one conversation per training
-task, in the chat-conversation JSONL format the generic SFT warm start reads (`oneloop.loop.sft`;
-`{"messages": [...], "tools": [...]}` per line, OpenAI-shaped: roles system/user/assistant/tool,
-assistant `tool_calls`). The conversation is the calculator path: the MCP server's real tool list,
-one tool call per operation innermost first, each tool result from the real calculator server
-called in process, then `submit_answer` and a closing sentence. Rendered by
-`ChatRenderer.conversation_tokens` it is exactly the token layout the agent samples in
+`write_demonstrations(path, tasks, wrong_tool_fraction)` writes one conversation per task given
+(the training tasks, or with `generate_tasks`'s `n_demonstrations` tasks drawn apart from the RL
+and held-out ones), in the chat-conversation JSONL format the generic SFT warm start reads
+(`oneloop.loop.sft`; `{"messages": [...], "tools": [...]}` per line, OpenAI-shaped: roles
+system/user/assistant/tool, assistant `tool_calls`). The conversation is the calculator path:
+the MCP server's real tool list, one tool call per operation innermost first, each tool result
+from the real calculator server called in process, then `submit_answer` and a closing sentence.
+Rendered by `ChatRenderer.conversation_tokens` it is exactly the token layout the agent samples in
 (`demonstration` does that for one task).
 
 With `wrong_tool_fraction` set (the CPU demo's preset sets `tasks.demo.wrong_tool_fraction`) the
 demonstrations are deliberately imperfect, a departure from "SFT on expert data" made on purpose:
-that share of the training tasks, by the question's last operator, is demonstrated with a plausible
+that share of the tasks, by the question's last operator, is demonstrated with a plausible
 mistake, the inverse tool for the last operation (`add` for `-`, `multiply` for `/`, and back),
 whose result is then submitted (wrong; for the easy questions always). Every demonstration still
 copies the numbers, calls a tool and submits its result, so SFT teaches the whole format; what it
 leaves uncertain is the choice of tool. The share is exact per operator (`mistaken_questions`):
 just above one half, it makes the mistake what greedy decoding does after SFT, while sampling at
-temperature 1 still finds the right tool almost half the time. RL,
-whose reward only the right tool earns, has to shift that choice: the usual division of labour,
-SFT for format and RL for correctness, made visible on a model small enough for 2 CPU cores.
+temperature 1 still finds the right tool almost half the time. RL, whose reward only the right
+tool earns, has to shift that choice: the usual division of labour, SFT for format and RL for
+correctness, made visible on a model small enough for 2 CPU cores.
 Which tasks get the mistake depends only on the question texts (a hash), so it is reproducible.
 """
 

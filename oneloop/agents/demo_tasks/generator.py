@@ -64,7 +64,7 @@ class DemoTask:
     task_id: str
     path: Path
     question: Question
-    split: str  # "train" | "eval"
+    split: str  # "train" | "eval" | "demonstrations"
     fault: Fault
 
 
@@ -72,6 +72,8 @@ class DemoTask:
 class TaskSplits:
     train: tuple[DemoTask, ...]
     eval: tuple[DemoTask, ...]
+    demonstrations: tuple[DemoTask, ...] = ()
+    """Tasks drawn for the warm start's demonstrations only, apart from train and eval."""
 
 
 _OPS = ("+", "-", "*", "/")
@@ -199,8 +201,8 @@ def write_task(
     return root
 
 
-def _check_counts(n_train: int, n_eval: int) -> None:
-    for name, value in (("n_train", n_train), ("n_eval", n_eval)):
+def _check_counts(**counts: int) -> None:
+    for name, value in counts.items():
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
 
@@ -216,12 +218,15 @@ def generate_tasks(
     python: str = sys.executable,
     agent_timeout_sec: float = DEFAULT_AGENT_TIMEOUT_SEC,
     verifier_timeout_sec: float = DEFAULT_VERIFIER_TIMEOUT_SEC,
+    n_demonstrations: int = 0,
 ) -> TaskSplits:
-    """Write `n_train + n_eval` task dirs under `out_dir/{train,eval}/`; same seed → same tasks.
+    """Write `n_train + n_eval + n_demonstrations` task dirs under
+    `out_dir/{train,eval,demonstrations}/`; same seed → same tasks, and the train and eval tasks
+    do not depend on `n_demonstrations` (drawn last).
 
-    Difficulties cycle through `difficulties`; no question text appears in both splits.
+    Difficulties cycle through `difficulties`; no question text appears in two splits.
     """
-    _check_counts(n_train, n_eval)
+    _check_counts(n_train=n_train, n_eval=n_eval, n_demonstrations=n_demonstrations)
     if not difficulties:
         raise ConfigError("difficulties must name at least one Difficulty")
     if agent_timeout_sec <= 0 or verifier_timeout_sec <= 0:
@@ -229,8 +234,9 @@ def generate_tasks(
     out = Path(out_dir)
     rng = random.Random(seed)
     seen: set[str] = set()
-    splits: dict[str, list[DemoTask]] = {"train": [], "eval": []}
-    for split, count in (("train", n_train), ("eval", n_eval)):
+    counts = {"train": n_train, "eval": n_eval, "demonstrations": n_demonstrations}
+    splits: dict[str, list[DemoTask]] = {split: [] for split in counts}
+    for split, count in counts.items():
         for index in range(count):
             difficulty = difficulties[index % len(difficulties)]
             for _ in range(10_000):
@@ -246,4 +252,4 @@ def generate_tasks(
             task = DemoTask(task_id, out / split / task_id, question, split, fault)
             write_task(task, python, agent_timeout_sec, verifier_timeout_sec)
             splits[split].append(task)
-    return TaskSplits(train=tuple(splits["train"]), eval=tuple(splits["eval"]))
+    return TaskSplits(**{split: tuple(tasks) for split, tasks in splits.items()})
