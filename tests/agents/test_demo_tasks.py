@@ -106,6 +106,24 @@ def test_no_intermediate_result_is_negative_and_every_operator_is_as_likely() ->
     assert min(counts.values()) > 0.2 * sum(counts.values()), counts
 
 
+def test_every_split_holds_each_operator_a_quarter_of_the_time(tmp_path: Path) -> None:
+    """The innermost operator cycles + - * / within each split (a repeated question is redrawn
+    with the same operator, not another), so `/`, whose easy questions are the fewest (102), is
+    as common as the others; when its questions run out the error names the split, the task and
+    the operator."""
+    easy = (Difficulty.EASY,)
+    splits = generate_tasks(tmp_path / "ok", n_train=200, n_eval=64, seed=0, difficulties=easy)
+    for tasks, each in ((splits.train, 50), (splits.eval, 16)):
+        assert Counter(t.question.text.split()[1] for t in tasks) == dict.fromkeys("+-*/", each)
+    mixed = generate_tasks(tmp_path / "mixed", n_train=24, n_eval=0, seed=1)
+    inner = Counter(t.question.text.replace("(", "").split()[1] for t in mixed.train)
+    assert inner == dict.fromkeys("+-*/", 6)
+    with pytest.raises(ConfigError, match=r"train task 411: every easy question with '/' first"):
+        generate_tasks(tmp_path / "bad", n_train=412, n_eval=0, seed=0, difficulties=easy)
+    with pytest.raises(ConfigError, match="first_op"):
+        make_question(random.Random(0), Difficulty.EASY, first_op="%")
+
+
 def test_task_toml_is_valid_for_harbor(tmp_path: Path) -> None:
     splits = generate_tasks(tmp_path, n_train=1, n_eval=1, seed=0, agent_timeout_sec=42.0)
     task = Task(splits.train[0].path)

@@ -81,13 +81,19 @@ _STEPS = {Difficulty.EASY: 1, Difficulty.MEDIUM: 2, Difficulty.HARD: 3}
 _MAX_LITERAL = {Difficulty.EASY: 50, Difficulty.MEDIUM: 30, Difficulty.HARD: 20}
 
 
-def make_question(rng: random.Random, difficulty: Difficulty) -> Question:
-    """One question: a left-nested expression with integer intermediate results."""
+def make_question(
+    rng: random.Random, difficulty: Difficulty, first_op: str | None = None
+) -> Question:
+    """One question: a left-nested expression with integer intermediate results. `first_op`
+    (one of + - * /) fixes the innermost operator (the only one of an easy question); otherwise
+    every operator is drawn."""
+    if first_op is not None and first_op not in _OPS:
+        raise ConfigError(f"first_op must be one of {' '.join(_OPS)}, got {first_op!r}")
     top = _MAX_LITERAL[difficulty]
     value = rng.randint(2, top)
     text = str(value)
     for step in range(_STEPS[difficulty]):
-        op = rng.choice(_OPS)
+        op = first_op if step == 0 and first_op is not None else rng.choice(_OPS)
         operand = 0
         if op == "/" and step == 0:
             # The first literal is redrawn as a multiple of the divisor, so that `/` is as
@@ -224,7 +230,9 @@ def generate_tasks(
     `out_dir/{train,eval,demonstrations}/`; same seed → same tasks, and the train and eval tasks
     do not depend on `n_demonstrations` (drawn last).
 
-    Difficulties cycle through `difficulties`; no question text appears in two splits.
+    Difficulties cycle through `difficulties` and, independently, the innermost operator through
+    + - * / (so each operator is a quarter of every split, give or take one: a repeated question is
+    redrawn with the same operator); no question text appears in two splits.
     """
     _check_counts(n_train=n_train, n_eval=n_eval, n_demonstrations=n_demonstrations)
     if not difficulties:
@@ -239,13 +247,16 @@ def generate_tasks(
     for split, count in counts.items():
         for index in range(count):
             difficulty = difficulties[index % len(difficulties)]
+            first_op = _OPS[index % len(_OPS)]
             for _ in range(10_000):
-                question = make_question(rng, difficulty)
+                question = make_question(rng, difficulty, first_op)
                 if question.text not in seen:
                     break
             else:
                 raise ConfigError(
-                    f"could not draw {count} distinct {difficulty} questions; ask for fewer"
+                    f"could not draw {split} task {index}: every {difficulty} question with "
+                    f"{first_op!r} first is taken by the {sum(counts.values())} tasks asked for "
+                    "(n_train + n_eval + n_demonstrations); ask for fewer"
                 )
             seen.add(question.text)
             task_id = f"{split}-{index:05d}-{difficulty.value}"
