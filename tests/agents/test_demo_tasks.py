@@ -106,20 +106,39 @@ def test_no_intermediate_result_is_negative_and_every_operator_is_as_likely() ->
     assert min(counts.values()) > 0.2 * sum(counts.values()), counts
 
 
-def test_every_split_holds_each_operator_a_quarter_of_the_time(tmp_path: Path) -> None:
+def test_every_split_holds_each_operator_a_quarter_of_the_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The innermost operator cycles + - * / within each split (a repeated question is redrawn
     with the same operator, not another), so `/`, whose easy questions are the fewest (102), is
-    as common as the others; when its questions run out the error names the split, the task and
-    the operator."""
+    as common as the others, in both demo presets' sizes. Past 102 `/` questions the rest of
+    `/`'s turns take other operators, with a warning that counts them; when no new question can
+    be drawn at all the error names the split and the task."""
     easy = (Difficulty.EASY,)
-    splits = generate_tasks(tmp_path / "ok", n_train=200, n_eval=64, seed=0, difficulties=easy)
-    for tasks, each in ((splits.train, 50), (splits.eval, 16)):
-        assert Counter(t.question.text.split()[1] for t in tasks) == dict.fromkeys("+-*/", each)
+
+    def operators(tasks: tuple) -> Counter[str]:
+        return Counter(t.question.text.replace("(", "").split()[1] for t in tasks)
+
+    for n_train, n_eval in ((200, 64), (256, 128)):  # demo-cpu, demo-gpu
+        splits = generate_tasks(tmp_path / f"{n_train}", n_train, n_eval, 0, difficulties=easy)
+        assert operators(splits.train) == dict.fromkeys("+-*/", n_train // 4)
+        assert operators(splits.eval) == dict.fromkeys("+-*/", n_eval // 4)
     mixed = generate_tasks(tmp_path / "mixed", n_train=24, n_eval=0, seed=1)
-    inner = Counter(t.question.text.replace("(", "").split()[1] for t in mixed.train)
-    assert inner == dict.fromkeys("+-*/", 6)
-    with pytest.raises(ConfigError, match=r"train task 411: every easy question with '/' first"):
-        generate_tasks(tmp_path / "bad", n_train=412, n_eval=0, seed=0, difficulties=easy)
+    assert operators(mixed.train) == dict.fromkeys("+-*/", 6)
+    assert not caplog.records
+    more = generate_tasks(tmp_path / "more", n_train=440, n_eval=0, seed=0, difficulties=easy)
+    assert operators(more.train)["/"] == 102 and sum(operators(more.train).values()) == 440
+    assert len({t.question.text for t in more.train}) == 440
+    (warning,) = caplog.records
+    assert "every easy question with '/' first was taken; 8 train tasks" in warning.getMessage()
+
+    def always_the_same(*args: object) -> object:
+        return make_question(random.Random(0), Difficulty.EASY)
+
+    monkeypatch.setattr("oneloop.agents.demo_tasks.generator.make_question", always_the_same)
+    with pytest.raises(ConfigError, match="could not draw eval task 1: nearly every easy"):
+        generate_tasks(tmp_path / "bad", n_train=0, n_eval=2, seed=0, difficulties=easy)
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="first_op"):
         make_question(random.Random(0), Difficulty.EASY, first_op="%")
 

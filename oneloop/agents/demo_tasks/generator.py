@@ -17,9 +17,11 @@ read by `NoContainerEnvironment.start`, or a verifier that writes no reward.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shlex
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -33,6 +35,7 @@ FAMILY = "oneloop-demo-calculator"
 DEFAULT_AGENT_TIMEOUT_SEC = 120.0
 DEFAULT_VERIFIER_TIMEOUT_SEC = 30.0
 _VERIFY_SH = Path(__file__).with_name("verify.sh")
+log = logging.getLogger(__name__)
 
 
 class Difficulty(StrEnum):
@@ -232,7 +235,9 @@ def generate_tasks(
 
     Difficulties cycle through `difficulties` and, independently, the innermost operator through
     + - * / (so each operator is a quarter of every split, give or take one: a repeated question is
-    redrawn with the same operator); no question text appears in two splits.
+    redrawn with the same operator). Easy `/` questions are the fewest (102); once an operator's
+    questions are used up, its turns are drawn with any operator and a warning counts them. No
+    question text appears in two splits.
     """
     _check_counts(n_train=n_train, n_eval=n_eval, n_demonstrations=n_demonstrations)
     if not difficulties:
@@ -244,23 +249,42 @@ def generate_tasks(
     seen: set[str] = set()
     counts = {"train": n_train, "eval": n_eval, "demonstrations": n_demonstrations}
     splits: dict[str, list[DemoTask]] = {split: [] for split in counts}
+    short: Counter[tuple[str, str, str]] = Counter()
     for split, count in counts.items():
         for index in range(count):
             difficulty = difficulties[index % len(difficulties)]
             first_op = _OPS[index % len(_OPS)]
-            for _ in range(10_000):
-                question = make_question(rng, difficulty, first_op)
-                if question.text not in seen:
-                    break
-            else:
+            question = _draw_new(rng, difficulty, first_op, seen)
+            if question is None:  # that operator's questions are used up: any operator
+                short[(split, difficulty.value, first_op)] += 1
+                question = _draw_new(rng, difficulty, None, seen, tries=10_000)
+            if question is None:
                 raise ConfigError(
-                    f"could not draw {split} task {index}: every {difficulty} question with "
-                    f"{first_op!r} first is taken by the {sum(counts.values())} tasks asked for "
-                    "(n_train + n_eval + n_demonstrations); ask for fewer"
+                    f"could not draw {split} task {index}: nearly every {difficulty} question is "
+                    f"taken by the {sum(counts.values())} tasks asked for (n_train + n_eval + "
+                    "n_demonstrations); ask for fewer"
                 )
             seen.add(question.text)
             task_id = f"{split}-{index:05d}-{difficulty.value}"
             task = DemoTask(task_id, out / split / task_id, question, split, fault)
             write_task(task, python, agent_timeout_sec, verifier_timeout_sec)
             splits[split].append(task)
+    for (split, difficulty_name, op), drawn_otherwise in short.items():
+        log.warning(
+            "demo tasks: every %s question with %r first was taken; %d %s tasks were drawn with "
+            "another operator instead (that split has fewer %r questions than the others)",
+            difficulty_name, op, drawn_otherwise, split, op,
+        )  # fmt: skip
     return TaskSplits(**{split: tuple(tasks) for split, tasks in splits.items()})
+
+
+def _draw_new(
+    rng: random.Random, difficulty: Difficulty, first_op: str | None, seen: set[str],
+    tries: int = 1_000,
+) -> Question | None:
+    """A question not in `seen` (drawn up to `tries` times), or None."""
+    for _ in range(tries):
+        question = make_question(rng, difficulty, first_op)
+        if question.text not in seen:
+            return question
+    return None
