@@ -281,6 +281,7 @@ def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]
             raise ConfigError(f"tasks.dir: no Harbor tasks under {root / 'train'}")
         return None, train, held
     demo = cfg.tasks.demo
+    demo_warm_start = cfg.sft is not None and cfg.sft.data == "demo"
     splits = generate_tasks(
         cfg.run_dir / "tasks",
         demo.n_train,
@@ -288,13 +289,9 @@ def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]
         demo.seed,
         difficulties=tuple(Difficulty(d) for d in demo.difficulties),
         # drawn after train and eval, so those do not change with it; only for a demo warm start
-        n_demonstrations=(demo.n_demonstrations or 0) if _demo_warm_start(cfg) else 0,
+        n_demonstrations=(demo.n_demonstrations or 0) if demo_warm_start else 0,
     )
     return splits, [t.path for t in splits.train], [t.path for t in splits.eval]
-
-
-def _demo_warm_start(cfg: TrainConfig) -> bool:
-    return cfg.sft is not None and cfg.sft.data == "demo"
 
 
 def _runner(run: Run, temperature: float) -> TrialRunner:

@@ -250,12 +250,16 @@ def generate_tasks(
     counts = {"train": n_train, "eval": n_eval, "demonstrations": n_demonstrations}
     splits: dict[str, list[DemoTask]] = {split: [] for split in counts}
     short: Counter[tuple[str, str, str]] = Counter()
+    used_up: set[tuple[Difficulty, str]] = set()  # not drawn for again: every later turn would fail
     for split, count in counts.items():
         for index in range(count):
             difficulty = difficulties[index % len(difficulties)]
             first_op = _OPS[index % len(_OPS)]
-            question = _draw_new(rng, difficulty, first_op, seen)
+            question = None
+            if (difficulty, first_op) not in used_up:
+                question = _draw_new(rng, difficulty, first_op, seen)
             if question is None:  # that operator's questions are used up: any operator
+                used_up.add((difficulty, first_op))
                 short[(split, difficulty.value, first_op)] += 1
                 question = _draw_new(rng, difficulty, None, seen, tries=10_000)
             if question is None:
