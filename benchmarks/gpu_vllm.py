@@ -10,6 +10,11 @@
      per-step pieces beside it. `--interleave`: those two raw engines alive together, the reps
      alternating (rep-to-rep spread on the device is 20-30 %, and a side run last drifted);
      `--raw-only --engine-args '{"load_format": "dummy", ...}'`: raw vLLM alone, e.g. deeper.
+     `--all-alive`: our engine stays up beside the raw engines and runs as one more side of the
+     alternating reps (`ours_futures`), so ours / raw and R3's cost are paired per rep
+     (`*_paired_median`: the median over reps of the two sides' ratio in that rep).
+     `--skip-clear-side` (run under benchmarks/r3prof): one more raw R3-on engine whose worker
+     skips vLLM's per-step zeroing of the routing capture buffer (`R3PROF_SKIP_CLEAR`).
 (ii) in-flight weight sync with N requests decoding: pause window and effective GB/s of
      - `ipc`    : one CUDA buffer in vLLM's layout over CUDA IPC, copied into the parameters,
      - `ipc-hf` : the same transport, loaded by the model's own `load_weights` (stock loader),
@@ -76,6 +81,16 @@ def parse() -> argparse.Namespace:
         "--stock-routing",
         action="store_true",
         help="--routed-experts: also raw vLLM with its own per-step routing pieces (not ours)",
+    )
+    ap.add_argument(
+        "--all-alive",
+        action="store_true",
+        help="our engine alive beside the raw engines, one more side of the alternating reps",
+    )
+    ap.add_argument(
+        "--skip-clear-side",
+        action="store_true",
+        help="R3 on: one more raw side without the capture buffer's per-step zeroing (r3prof)",
     )
     ap.add_argument(
         "--raw-only",
@@ -159,9 +174,13 @@ def raw_throughput(
     raw_sides([(side, engine_kwargs)], args, ps)
 
 
-def raw_sides(sides: list[tuple[str, dict]], args, ps: list[np.ndarray]) -> None:
+def raw_sides(
+    sides: list[tuple[str, dict]], args, ps: list[np.ndarray], ours: VllmSamplerEngine | None = None
+) -> None:
     """Raw vLLM engines alive together (one per (side, engine args)), each timed rep running
-    every side once, the order reversed each rep: a drift of the machine hits all sides alike."""
+    every side once, the order rotated each rep: a drift of the machine hits all sides alike.
+    `ours`: our engine (already started) is one more side, `ours_futures`, its requests submitted
+    from this loop as futures (the loop's own way of calling it)."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs.engine import tokens_input
@@ -183,24 +202,41 @@ def raw_sides(sides: list[tuple[str, dict]], args, ps: list[np.ndarray]) -> None
             assert final.outputs[0].routed_experts is not None
         return len(final.outputs[0].token_ids)
 
+    async def ours_rep(rep: int) -> list[int]:
+        futures = [
+            asyncio.wrap_future(ours.submit_sample("base", request(p, args.max_tokens, i)))
+            for i, p in enumerate(ps)
+        ]
+        outs = await asyncio.gather(*futures)
+        if ours.returns_routed_experts:
+            assert all(o.sequences[0].routed_experts is not None for o in outs), "no R3 record"
+        return [len(o.sequences[0].tokens) for o in outs]
+
     async def main() -> None:
         llms = []
         try:
             for side, kwargs in sides:
                 os.environ["R3PROF_PHASE"] = side  # benchmarks/r3prof: the engine core's key
+                # inherited by this side's engine core only (spawned while it is set)
+                os.environ["R3PROF_SKIP_CLEAR"] = "1" if side.endswith("_skip_clear") else "0"
                 llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+                os.environ["R3PROF_SKIP_CLEAR"] = "0"
                 llms.append((side, llm, bool(kwargs.get("enable_return_routed_experts"))))
                 await asyncio.wait_for(one(llm, llms[-1][2], ps[0], 0, 16), 600)
+            order = llms + ([("ours_futures", None, False)] if ours is not None else [])
             for rep in range(args.reps):
-                for side, llm, routed in llms if rep % 2 == 0 else llms[::-1]:
+                shift = rep % len(order)  # each side in each position of the order in turn
+                for side, llm, routed in order[shift:] + order[:shift]:
                     os.environ["R3PROF_PHASE"] = side  # the front end's own timings
                     t0 = time.perf_counter()
-                    counts = await asyncio.wait_for(
-                        asyncio.gather(
+                    work = (
+                        ours_rep(rep)
+                        if llm is None
+                        else asyncio.gather(
                             *[one(llm, routed, p, i, args.max_tokens) for i, p in enumerate(ps)]
-                        ),
-                        600,
+                        )
                     )
+                    counts = await asyncio.wait_for(work, 600)
                     dt = time.perf_counter() - t0
                     result(bench="throughput", side=side, rep=rep, tokens=sum(counts),
                            seconds=round(dt, 3), tok_per_s=round(sum(counts) / dt))  # fmt: skip
@@ -209,6 +245,23 @@ def raw_sides(sides: list[tuple[str, dict]], args, ps: list[np.ndarray]) -> None
                 llm.shutdown()
 
     asyncio.run(main())
+
+
+def alive_sides(kwargs: dict, args) -> list[tuple[str, dict]]:
+    """The raw engines run side by side: raw vLLM with our engine's args and, for a MoE with R3
+    on, without the record (R3 off, vLLM's stock scheduler) and with vLLM's own per-step pieces
+    (`--stock-routing`). R3 on, raw_asyncllm runs our scheduler (`vllm.routing`: the record read
+    once a request)."""
+    sides = [("raw_asyncllm", kwargs)]
+    if args.routed_experts:
+        stock = {k: v for k, v in kwargs.items() if k != "scheduler_cls"}
+        sides.append(("raw_asyncllm_no_routed_experts",
+                      {**stock, "enable_return_routed_experts": False}))  # fmt: skip
+        if args.stock_routing:
+            sides.append(("raw_asyncllm_stock_routing", stock))
+        if args.skip_clear_side:
+            sides.append(("raw_asyncllm_skip_clear", kwargs))
+    return sides
 
 
 def sync_bench(engine: VllmSamplerEngine, args, model_dir: Path) -> None:
@@ -262,6 +315,15 @@ def summarize(ours: bool = True) -> None:
     def rates(side: str) -> list[float]:
         return [r["tok_per_s"] for r in RESULTS if r.get("side") == side] or [float("nan")]
 
+    def paired(side: str, base: str) -> float:
+        """Median over reps of side / base within each rep (both sides ran in that rep)."""
+        by_rep = {
+            (r["side"], r["rep"]): r["tok_per_s"] for r in RESULTS if r.get("bench") == "throughput"
+        }
+        ratios = [v / by_rep[(base, rep)] for (s, rep), v in by_rep.items()
+                  if s == side and (base, rep) in by_rep]  # fmt: skip
+        return round(float(np.median(ratios)), 3) if ratios else float("nan")
+
     raw = max(rates("raw_asyncllm"))
     raw_median = float(np.median(rates("raw_asyncllm")))
     summary = dict(bench="summary", raw_tok_per_s=raw)
@@ -273,14 +335,28 @@ def summarize(ours: bool = True) -> None:
                            float(np.median(rates("ours_sync_threads"))) / raw_median, 3),
                        ours_futures_ratio_median=round(
                            float(np.median(rates("ours_futures"))) / raw_median, 3))  # fmt: skip
+        summary["ours_futures_ratio_paired_median"] = paired("ours_futures", "raw_asyncllm")
     plain = rates("raw_asyncllm_no_routed_experts")
     if plain[0] == plain[0]:  # measured (not NaN): R3's record on vs off, raw vLLM
+        off = "raw_asyncllm_no_routed_experts"
         summary["routed_experts_cost"] = round(1.0 - raw_median / float(np.median(plain)), 3)
         summary["routed_experts_cost_best"] = round(1.0 - raw / max(plain), 3)
+        summary["routed_experts_cost_paired_median"] = round(1.0 - paired("raw_asyncllm", off), 3)
+        if ours:  # our engine with R3 on vs raw vLLM with R3 off
+            summary["ours_routed_experts_cost_paired_median"] = round(
+                1.0 - paired("ours_futures", off), 3
+            )
         stock = rates("raw_asyncllm_stock_routing")
         if stock[0] == stock[0]:  # vLLM's own per-step pieces, same machine, same run
             summary["routed_experts_cost_stock"] = round(
                 1.0 - float(np.median(stock)) / float(np.median(plain)), 3
+            )
+            summary["routed_experts_cost_stock_paired_median"] = round(
+                1.0 - paired("raw_asyncllm_stock_routing", off), 3
+            )
+        if rates("raw_asyncllm_skip_clear")[0] == rates("raw_asyncllm_skip_clear")[0]:
+            summary["routed_experts_cost_skip_clear_paired_median"] = round(
+                1.0 - paired("raw_asyncllm_skip_clear", off), 3
             )
     for path in ("ipc", "ipc-hf", "hf"):
         windows = [r["window_ms"] for r in RESULTS if r.get("path") == path]
@@ -315,22 +391,28 @@ def main() -> None:
                                    return_routed_experts=args.routed_experts,
                                    extra_engine_args=args.engine_args or None)  # fmt: skip
         result(bench="start", side="ours", seconds=round(time.perf_counter() - t0, 1))
-        try:
-            ours_throughput(engine, args, ps)
-            if not args.skip_sync:
-                sync_bench(engine, args, model_dir)
-        finally:
-            engine.close()
         kwargs = engine.engine_kwargs
-    # R3 on: raw_asyncllm has our scheduler (`vllm.routing`: the record read once a request),
-    # the stock side vLLM's own (a piece per step); R3 off runs vLLM's stock scheduler.
+        if args.all_alive:  # our engine stays up: one more side of raw_sides' reps
+            try:
+                engine.sample("base", request(ps[0], 16, 0))  # warm-up
+                raw_sides(alive_sides(kwargs, args), args, ps, ours=engine)
+                summarize()
+                if not args.skip_sync:
+                    sync_bench(engine, args, model_dir)
+            finally:
+                engine.close()
+            args.skip_raw = True  # measured above
+        else:
+            try:
+                ours_throughput(engine, args, ps)
+                if not args.skip_sync:
+                    sync_bench(engine, args, model_dir)
+            finally:
+                engine.close()
     stock = {k: v for k, v in kwargs.items() if k != "scheduler_cls"}
     plain = {**stock, "enable_return_routed_experts": False}
     if not args.skip_raw and args.routed_experts and args.interleave:
-        sides = [("raw_asyncllm", kwargs), ("raw_asyncllm_no_routed_experts", plain)]
-        if args.stock_routing:
-            sides.append(("raw_asyncllm_stock_routing", stock))
-        raw_sides(sides, args, ps)
+        raw_sides(alive_sides(kwargs, args), args, ps)
         summarize(ours=not args.raw_only)
     elif not args.skip_raw:
         raw_throughput(kwargs, args, ps)

@@ -4,8 +4,10 @@ Put this folder first on PYTHONPATH with R3PROF_DIR set: every Python process st
 (the bench's front end and vLLM's spawned engine core alike) wraps a few vLLM methods when their
 modules are imported and writes {phase: {"Class.method": [calls, seconds]}} to
 $R3PROF_DIR/<pid>.json every 2 s and at exit. The phase is read from $R3PROF_PHASE at each call
-(the engine core inherits it when spawned). Wrapping costs about a microsecond a call, the same
-with R3 on and off. Any other sitecustomize on the path runs first (this one only adds hooks).
+(the engine core inherits it when spawned); an engine core spawned with $R3PROF_SKIP_CLEAR=1
+skips the routing capture buffer's per-step zeroing. Wrapping costs about a microsecond a call,
+the same with R3 on and off. Any other sitecustomize on the path runs first (this one only adds
+hooks).
 """
 
 import os
@@ -69,6 +71,12 @@ if os.environ.get("R3PROF_DIR"):
         return timed
 
     def _patch(module):
+        capturer = getattr(module, "RoutedExpertsCapturer", None)
+        if capturer is not None and os.environ.get("R3PROF_SKIP_CLEAR") == "1":
+            # gpu_vllm.py --skip-clear-side: what vLLM's per-step zeroing of the capture buffer
+            # costs. Skipping it is safe for the rows a step reads: every MoE layer writes all
+            # of the step's rows, and a column no layer writes stays zero from its allocation.
+            capturer.clear_buffer = lambda self: None
         for cls_name, methods in TARGETS[module.__name__].items():
             cls = getattr(module, cls_name, None)
             for m in methods if cls is not None else ():
