@@ -166,7 +166,7 @@ async def setup(cfg: TrainConfig, resume: bool) -> Run:
         else ("snapshot" if cfg.algo.sampler_kind == "auto" else cfg.algo.sampler_kind)
     )
     check_capabilities(caps, cfg, kind)
-    splits, train_tasks, eval_tasks = _tasks(cfg)
+    splits, train_tasks, eval_tasks = task_dirs(cfg)
     if cfg.eval is not None and cfg.eval.agent != "mcp":
         raise ConfigError(
             f"eval.agent={cfg.eval.agent!r}: the training loop evaluates its own model (mcp); "
@@ -269,10 +269,6 @@ async def sft_data_path(cfg: TrainConfig, splits: TaskSplits | None) -> Path:
 
 def task_dirs(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]:
     """(demo splits or None, train task dirs, held-out task dirs) of `cfg.tasks`."""
-    return _tasks(cfg)
-
-
-def _tasks(cfg: TrainConfig) -> tuple[TaskSplits | None, list[Path], list[Path]]:
     if cfg.tasks.dir is not None:
         root = cfg.tasks.dir
         train = sorted(p for p in (root / "train").glob("*") if (p / "task.toml").is_file())
