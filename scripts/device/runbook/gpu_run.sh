@@ -197,8 +197,9 @@ case "$stage" in
     # one process: our engine (R3 on), raw vLLM R3 on, raw vLLM R3 off, each method of vLLM's step
     # timed in every process (benchmarks/r3prof); R3_ARGS="--raw-only --interleave": raw vLLM on
     # and off alive together, reps alternating; R3_ARGS="--interleave --all-alive": our engine too,
-    # one more side of those reps (paired per-rep ratios). R3_DEEP=1 adds raw vLLM on/off on R3_DEEP_LAYERS
-    # (48) layers of Qwen3-30B-A3B (dummy weights; CUDA graphs unless R3_DEEP_FLAGS=--eager).
+    # one more side of those reps (paired per-rep ratios). R3_DEEP=1 adds raw vLLM on/off on
+    # R3_DEEP_LAYERS (48) layers of Qwen3-30B-A3B (dummy weights; CUDA graphs unless
+    # R3_DEEP_FLAGS=--eager).
     so=/tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
     [ -f "$so" ] || xz -dc .w5/_moe_C_stable_libtorch.abi3.so.xz > "$so"
     python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l-32e --out /tmp/models/qwen3-30b-a3b-4l-32e
