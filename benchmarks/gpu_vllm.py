@@ -247,11 +247,11 @@ def raw_sides(
     asyncio.run(main())
 
 
-def alive_sides(kwargs: dict, args) -> list[tuple[str, dict]]:
-    """The raw engines run side by side: raw vLLM with our engine's args and, for a MoE with R3
-    on, without the record (R3 off, vLLM's stock scheduler) and with vLLM's own per-step pieces
-    (`--stock-routing`). R3 on, raw_asyncllm runs our scheduler (`vllm.routing`: the record read
-    once a request)."""
+def raw_engines(kwargs: dict, args) -> list[tuple[str, dict]]:
+    """(side, engine args) of the raw vLLM engines a run times: our engine's args and, for a MoE
+    with R3 on, without the record (R3 off, vLLM's stock scheduler), with vLLM's own per-step
+    pieces (`--stock-routing`) and without the capture buffer's zeroing (`--skip-clear-side`).
+    R3 on, raw_asyncllm runs our scheduler (`vllm.routing`: the record read once a request)."""
     sides = [("raw_asyncllm", kwargs)]
     if args.routed_experts:
         stock = {k: v for k, v in kwargs.items() if k != "scheduler_cls"}
@@ -354,7 +354,7 @@ def summarize(ours: bool = True) -> None:
             summary["routed_experts_cost_stock_paired_median"] = round(
                 1.0 - paired("raw_asyncllm_stock_routing", off), 3
             )
-        if rates("raw_asyncllm_skip_clear")[0] == rates("raw_asyncllm_skip_clear")[0]:
+        if any(r.get("side") == "raw_asyncllm_skip_clear" for r in RESULTS):
             summary["routed_experts_cost_skip_clear_paired_median"] = round(
                 1.0 - paired("raw_asyncllm_skip_clear", off), 3
             )
@@ -395,7 +395,7 @@ def main() -> None:
         if args.all_alive:  # our engine stays up: one more side of raw_sides' reps
             try:
                 engine.sample("base", request(ps[0], 16, 0))  # warm-up
-                raw_sides(alive_sides(kwargs, args), args, ps, ours=engine)
+                raw_sides(raw_engines(kwargs, args), args, ps, ours=engine)
                 summarize()
                 if not args.skip_sync:
                     sync_bench(engine, args, model_dir)
@@ -409,17 +409,13 @@ def main() -> None:
                     sync_bench(engine, args, model_dir)
             finally:
                 engine.close()
-    stock = {k: v for k, v in kwargs.items() if k != "scheduler_cls"}
-    plain = {**stock, "enable_return_routed_experts": False}
-    if not args.skip_raw and args.routed_experts and args.interleave:
-        raw_sides(alive_sides(kwargs, args), args, ps)
-        summarize(ours=not args.raw_only)
-    elif not args.skip_raw:
-        raw_throughput(kwargs, args, ps)
-        if args.routed_experts:
-            raw_throughput(plain, args, ps, side="raw_asyncllm_no_routed_experts")
-            if args.stock_routing:
-                raw_throughput(stock, args, ps, side="raw_asyncllm_stock_routing")
+    if not args.skip_raw:
+        sides = raw_engines(kwargs, args)
+        if args.routed_experts and args.interleave:  # alive together, reps alternating
+            raw_sides(sides, args, ps)
+        else:  # one engine after another
+            for side, side_kwargs in sides:
+                raw_throughput(side_kwargs, args, ps, side=side)
         summarize(ours=not args.raw_only)
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "gpu_vllm.json").write_text(json.dumps(RESULTS, indent=1))
