@@ -162,29 +162,33 @@ def measure(engine, data, steps: int, warmup: int) -> tuple[dict, list[np.ndarra
 
 
 def profile_step(engine, data, top: int) -> dict:
-    """One more warm step under the CUDA profiler: total device time and the `top` kernels by
-    self device time (what to fuse next)."""
+    """One more warm step under the profiler: total device time, the `top` kernels by self device
+    time (what to fuse next) and the `top` torch ops by the device time of the kernels they
+    launched themselves (which op a kernel belongs to: index_select, scatter_add_, mm, ...)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.forward_backward(data, "cross_entropy", None, forward_only=False)
         engine.optim_step(ADAM)
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total_us = sum(e.self_device_time_total for e in events)
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return {
-        "device_ms": round(total_us / 1e3, 1),
-        "top": [
+    averages = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = [e for e in averages if e.device_type != torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in kernels)
+
+    def rows(events):
+        events = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+        return [
             {
                 "name": e.key[:120],
                 "ms": round(e.self_device_time_total / 1e3, 2),
                 "share": round(e.self_device_time_total / total_us, 4),
                 "calls": e.count,
             }
-            for e in events[:top]
-        ],
-    }
+            for e in events
+        ]
+
+    return {"device_ms": round(total_us / 1e3, 1), "top": rows(kernels), "ops": rows(ops)}
 
 
 def release() -> None:
@@ -205,6 +209,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", default="baseline,all", help="variants to profile one extra step of"
     )
+    parser.add_argument("--profile-top", type=int, default=25, help="kernels and ops listed")
     parser.add_argument(
         "--time-budget-s", type=float, default=200.0, help="start no variant after this many s"
     )
@@ -256,7 +261,7 @@ def main() -> None:
             entry["mfu"] = round(fpt * tps / PEAK_FLOPS, 4)
             if name in args.profile.split(","):
                 try:
-                    entry["profile"] = profile_step(engine, data, top=25)
+                    entry["profile"] = profile_step(engine, data, top=args.profile_top)
                 except Exception as exc:  # the profiler (CUPTI) missing is no reason to stop
                     entry["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             if name == "baseline":
@@ -300,8 +305,11 @@ def main() -> None:
             print(
                 f"profile {name}: {prof['device_ms']} ms of device time in one step; top kernels:"
             )
-            for k in prof["top"][:15]:
-                print(f"  {k['ms']:>8.2f} ms {k['share']:>6.1%} x{k['calls']:<5} {k['name'][:90]}")
+            for title, key in (("kernels", "top"), ("torch ops (self device time)", "ops")):
+                print(f"  {title}:")
+                for k in prof.get(key, []):
+                    share, calls = f"{k['share']:>6.1%}", f"x{k['calls']:<5}"
+                    print(f"  {k['ms']:>8.2f} ms {share} {calls} {k['name'][:90]}")
     results["total_s"] = round(time.perf_counter() - started, 1)
     print("RESULT " + json.dumps({"summary": results}), flush=True)
     if os.environ.get("OUT"):

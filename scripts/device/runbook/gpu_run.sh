@@ -225,7 +225,7 @@ case "$stage" in
   moe_mb)   # issue 19's training goal: megatron (grouped experts) vs torch engine on the 4-layer
     # Qwen3-30B-A3B width at seq 4096, 16 sequences a step, per tokens-per-micro-batch size, one
     # variant per process (a deleted megatron engine leaves ~29 GiB behind); MB_PROFILE names
-    # the variants to profile one more step of (top kernels)
+    # the variants to profile one more step of (top kernels and torch ops; MB_ARGS="--profile-top 60")
     python3 scripts/device/runbook/build_random_qwen3.py --shape 30b-a3b-4l --out /tmp/models/qwen3-30b-a3b-4l
     for v in ${MB_VARIANTS:-torch torch_mb16k torch_mb32k torch_mb64k all all_mb32k all_mb64k}; do
       mkdir -p "/tmp/mb_$v"
@@ -234,7 +234,7 @@ case "$stage" in
         --shape 30b-a3b-4l --batch 16 --variants "$v" --profile "${MB_PROFILE:-none}" ${MB_ARGS:-} \
         > "$OUT/mb_$v.log" 2>&1 || { echo "$v rc=$?"; tail -4 "$OUT/mb_$v.log"; }
       grep "^RESULT {\"$v\"" "$OUT/mb_$v.log" | cut -c1-600
-      grep -A16 "^profile $v" "$OUT/mb_$v.log"
+      sed -n "/^profile $v/,/^RESULT/p" "$OUT/mb_$v.log" | grep -v "^RESULT"
     done ;;
   nccl)
     python3 benchmarks/gpu_nccl_sync.py --model-dir /tmp/models/qwen3-0.6b > "$OUT/nccl.log" 2>&1 \
