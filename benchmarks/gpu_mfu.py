@@ -83,6 +83,9 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     "torch_mb16k": ("torch", None, 4),
     "torch_mb32k": ("torch", None, 8),
     "torch_mb64k": ("torch", None, 16),
+    # MoE token movement (--batch 16): megatron-core's index_select + scatter_add_ permutations
+    "all_mb64k_scatter": ("megatron", replace(ALL, gather_dispatch=False), 16),
+    "all_mb64k_rope": ("megatron", replace(ALL, fused_rope=True), 16),
 }
 RECOMPUTED = {"all_recompute", "all_recompute_mb64k"}
 

@@ -54,6 +54,8 @@ class MegatronSpeedSettings(_Strict):
     CP), `local` = megatron-core's local spec with SDPA attention, `auto` = TE where usable."""
     grouped_experts: bool = True
     """MoE models: each layer's experts as two grouped GEMMs (off: megatron's per-expert loop)."""
+    gather_dispatch: bool = True
+    """MoE models: tokens to and from the experts by gathers (off: megatron's scatter-add)."""
 
 
 class MegatronSettings(_Strict):

@@ -56,8 +56,13 @@ def _module_class():
             counts = torch.as_tensor(tokens_per_expert, device=tokens.device)
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             hidden = torch._grouped_mm(tokens, self.grouped_fc1.transpose(1, 2), offs=offsets)
-            gate, up = hidden.chunk(2, dim=-1)
-            act = (F.silu(gate) * up * probs.unsqueeze(-1)).to(tokens.dtype)
+            if self.config.bias_activation_fusion:  # speed.swiglu_fusion: compiled kernels
+                from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+                act = weighted_bias_swiglu_impl(hidden, None, probs.unsqueeze(-1))
+            else:
+                gate, up = hidden.chunk(2, dim=-1)
+                act = (F.silu(gate) * up * probs.unsqueeze(-1)).to(tokens.dtype)
             return torch._grouped_mm(act, self.grouped_fc2.transpose(1, 2), offs=offsets), None
 
     return GroupedExperts

@@ -35,7 +35,11 @@ together, side by side on the device); all default on because each is exact up t
 
 - `grouped_experts` (MoE models): every local expert's MLP as two `torch._grouped_mm` calls
   (`megatron.grouped_experts`) instead of megatron-core's SequentialMLP loop over experts (its
-  grouped GEMM needs TE).
+  grouped GEMM needs TE). With `swiglu_fusion` on, their SiLU(gate)·up·probability runs as
+  megatron-core's weighted SwiGLU kernels (`weighted_bias_swiglu_impl`).
+- `gather_dispatch` (MoE models): the all-to-all dispatcher's two local permutations as gathers
+  in both directions (`megatron.moe_dispatch`) instead of `index_select` + `scatter_add_`, whose
+  restore and backward add each token's k copies into bf16 rows with atomics.
 
 Not available without TE/APEX, so not here: RoPE fusion (TE), gradient-accumulation fusion
 (APEX `fused_weight_gradient_mlp_cuda`), TE's fused norm+linear and precision-aware optimizer.
@@ -69,6 +73,7 @@ class MegatronSpeed:
     fused_rope: bool = False
     layer_spec: LayerSpec = "auto"
     grouped_experts: bool = True
+    gather_dispatch: bool = True
 
     def __post_init__(self) -> None:
         if self.layer_spec not in LAYER_SPECS:
@@ -96,6 +101,7 @@ class MegatronSpeed:
             fused_rope=False,
             layer_spec="local",
             grouped_experts=False,
+            gather_dispatch=False,
         )
 
 

@@ -53,7 +53,7 @@ from oneloop.backends.megatron_local.engines.base import (
     TrainerEngine,
 )
 from oneloop.backends.megatron_local.engines.hf import DTYPES, set_threads, token_logprobs
-from oneloop.backends.megatron_local.engines.megatron import grouped_experts, hybrid
+from oneloop.backends.megatron_local.engines.megatron import grouped_experts, hybrid, moe_dispatch
 from oneloop.backends.megatron_local.engines.megatron import lora as megatron_lora
 from oneloop.backends.megatron_local.engines.megatron import moe as megatron_moe
 from oneloop.backends.megatron_local.engines.megatron import offload as megatron_offload
@@ -273,6 +273,8 @@ class MegatronTrainerEngine(TrainerEngine):
         )
         if self.shape.hybrid and self.device.type == "cuda":
             hybrid.training_kernel(model)  # fla's backward refused: torch delta rule
+        if self.moe is not None and self.moe.experts > 0 and self.speed.gather_dispatch:
+            moe_dispatch.use_gather_dispatch(model)
         if self.speed.bf16_norms:
             megatron_speed.cast_norms(model, self.dtype)
         return model.to(self.device)
