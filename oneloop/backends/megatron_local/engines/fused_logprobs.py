@@ -13,15 +13,18 @@ same values with one custom autograd function:
   logits dtype and written over the saved logits, then the two matmuls of the output layer
   (hidden and weight gradients) over all rows at once.
 
-With `compiled=True` the per-chunk math runs as two torch.compile (Inductor) kernels that read the
-bf16 logits once per pass (~10 bytes per logit in all); `compiled=False` runs the same math eagerly
-(in place where it can). Values equal `token_logprobs(hidden @ weight.T, targets)`: the same
-logits, fp32 reductions; gradients equal autograd's through that path up to fp32 summation order.
+With `compiled=True` the per-row math runs as two Triton kernels over all rows at once
+(`logprob_kernels`: ~6 bytes of memory traffic per logit in all, no fp32 temporaries);
+`compiled=False` runs the same math eagerly per chunk of rows (in place where it can). Values
+equal `token_logprobs(hidden @ weight.T, targets)`: the same logits, fp32 reductions; gradients
+equal autograd's through that path up to fp32 summation order.
 """
 
 from collections.abc import Callable
 
 import torch
+
+from oneloop.backends.megatron_local.engines import logprob_kernels
 
 CHUNK_ROWS = 2048  # 2048 × 152k vocab: a 1.2 GB fp32 chunk (eager) and < 2**31 elements per kernel
 # GEMMs whose [rows, vocab] operand would pass 2**31 elements run in row blocks (16k tokens × 152k
@@ -39,43 +42,20 @@ def _chunk_forward(
     return picked - lse, lse
 
 
-def _chunk_grad(
-    logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """g · (onehot(target) − softmax) per row, in the logits dtype (pure: the compiled form)."""
-    x = logits.float()
-    prob = torch.exp(x - lse.unsqueeze(-1))
-    vocab = torch.arange(x.size(-1), device=x.device)
-    onehot = (vocab.unsqueeze(0) == targets.unsqueeze(-1)).to(torch.float32)
-    return ((onehot - prob) * grad.unsqueeze(-1)).to(logits.dtype)
-
-
 def _chunk_grad_eager(
     logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    """Same as `_chunk_grad`, in place on one fp32 copy of the chunk."""
+    """g · (onehot(target) − softmax) per row of a chunk, in the logits dtype, computed in place
+    on one fp32 copy of the chunk."""
     x = logits.float()
     x.sub_(lse.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))
     x.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
     return x.to(logits.dtype)
 
 
-_COMPILED: dict[str, Callable] = {}
-
-
-def _kernels(compiled: bool) -> tuple[Callable, Callable]:
-    if not compiled:
-        return _chunk_forward, _chunk_grad_eager
-    if not _COMPILED:
-        _COMPILED["forward"] = torch.compile(_chunk_forward, dynamic=True)
-        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
-    return _COMPILED["forward"], _COMPILED["grad"]
-
-
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_rows, block_rows, compiled):  # type: ignore[override]
-        forward_fn, _ = _kernels(compiled)
         rows = hidden.size(0)
         blocks = -(-rows // block_rows)
         block_rows = -(-rows // blocks)  # equal blocks: 16k rows go as 2 × 8k, not 14k + 2k
@@ -86,11 +66,14 @@ class _LinearLogprobs(torch.autograd.Function):
             for start in range(0, rows, block_rows):
                 part = slice(start, start + block_rows)
                 torch.matmul(hidden[part], weight.t(), out=logits[part])
-        logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        for start in range(0, rows, chunk_rows):
-            part = slice(start, start + chunk_rows)
-            logprobs[part], lse[part] = forward_fn(logits[part], targets[part])
+        if compiled:
+            logprobs, lse = logprob_kernels.lse_and_target(logits, targets)
+        else:
+            logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+            lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+            for start in range(0, rows, chunk_rows):
+                part = slice(start, start + chunk_rows)
+                logprobs[part], lse[part] = _chunk_forward(logits[part], targets[part])
         ctx.save_for_backward(hidden, weight, targets, logits, lse)
         ctx.chunk_rows, ctx.block_rows, ctx.compiled = chunk_rows, block_rows, compiled
         return logprobs
@@ -99,12 +82,16 @@ class _LinearLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs):  # type: ignore[override]
         hidden, weight, targets, logits, lse = ctx.saved_tensors
-        _, grad_fn = _kernels(ctx.compiled)
         grad_logprobs = grad_logprobs.float().contiguous()
-        for start in range(0, logits.size(0), ctx.chunk_rows):
-            part = slice(start, start + ctx.chunk_rows)
-            # The saved logits are this function's own buffer: overwrite them with their gradient.
-            logits[part] = grad_fn(logits[part], lse[part], grad_logprobs[part], targets[part])
+        # The saved logits are this function's own buffer: overwrite them with their gradient.
+        if ctx.compiled:
+            logprob_kernels.grad_in_place(logits, lse, grad_logprobs, targets)
+        else:
+            for start in range(0, logits.size(0), ctx.chunk_rows):
+                part = slice(start, start + ctx.chunk_rows)
+                logits[part] = _chunk_grad_eager(
+                    logits[part], lse[part], grad_logprobs[part], targets[part]
+                )
         rows, block = logits.size(0), ctx.block_rows
         grad_hidden = grad_weight = None
         if rows <= block:
@@ -152,7 +139,14 @@ def linear_logprobs(
         block_rows = max(1, GEMM_MAX_ELEMENTS // weight.size(0))
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-    return _LinearLogprobs.apply(hidden, weight, targets.long(), chunk_rows, block_rows, compiled)
+    if compiled and not logprob_kernels.runnable(hidden):
+        raise ValueError(
+            "linear_logprobs(compiled=True) runs Triton kernels: CUDA tensors expected (or "
+            f"TRITON_INTERPRET=1), got {hidden.device}"
+        )
+    return _LinearLogprobs.apply(
+        hidden, weight, targets.long().contiguous(), chunk_rows, block_rows, compiled
+    )
 
 
 def megatron_logprobs_processor(

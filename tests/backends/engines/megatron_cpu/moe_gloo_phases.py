@@ -80,7 +80,8 @@ def _run(work: Path) -> None:
     common = dict(dtype="float32", threads=1, max_tokens_per_microbatch=BUDGET)
     out: dict = cm.load_run(work / "torch.npz")
     mega = dict(device="cpu", speed=cm.check_speed(), **common)
-    sequential = dict(mega, speed=cm.check_speed(grouped_experts=False))
+    # megatron-core's own MoE path: SequentialMLP experts, index_select / scatter_add_ permutations
+    sequential = dict(mega, speed=cm.check_speed(grouped_experts=False, gather_dispatch=False))
     r3 = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
     plain_calls = cm.count_layer_calls(r3)
     cm.replay_call(r3, model, out, "ref", LENGTHS[0], ADAMS[0], backward=True)
@@ -160,6 +161,8 @@ def _run(work: Path) -> None:
     figures["grouped_experts"] = sorted(
         type(m).__name__ for m in ref.module.modules() if type(m).__name__.endswith("Experts")
     )[:1]
+    figures["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in ref.module.modules()
+                                     if hasattr(m, "token_dispatcher")})  # fmt: skip
     runs = ("torch", "ep2", "sequential", "pp2", "tp2", "cp2", "recompute")
     figures.update(cm.run_gaps(out, runs, steps=2))
     r3 = ("ref", "ep2", "pp2", "tp2", "cp2", "recompute", "pp2_recompute")

@@ -1,19 +1,19 @@
 """Qwen3-MoE on the megatron trainer engine itself (real megatron-core, CPU, gloo, fp32).
 
 moe_gloo_phases.py runs two phases, each in its own process: the torch trainer engine (no CUDA
-shims), then the megatron engine at ep = 1 in-process (grouped-GEMM experts, and megatron-core's
-SequentialMLP experts alike), at dp = 2 × ep = 2 as Ray rank actors (each rank holding half of
-every layer's experts, tokens dispatched all-to-all, replicas with unequal micro-batch counts),
-at pp = 2 (two pipeline stages), at tp = 2 (sequence parallel, experts whole, ep = 2 over the
-TP pair) and at cp = 2 (each rank two chunks of every sequence, ep = 2 over the CP pair). Over
-two optim_steps: megatron equals the torch engine (loss, grad norm, logprobs, weights), and
-ep = 2, pp = 2, tp = 2 and cp = 2 equal ep = 1; the ep = 2 checkpoint's weights (experts gathered
-back to HF form) load at ep = 1 and its optimizer state is refused there, naming the layouts.
-Routing replay (R3): a call whose datums carry recorded experts computes with them on the
-megatron engine as on the torch engine, at ep = 1, ep = 2, pp = 2, tp = 2 and cp = 2. Activation
-recompute (`local.megatron.recompute: full`) runs every layer again in the backward and changes
-nothing: the same figures at ep = 1, and the same replayed gradient at ep = 1 and across two
-pipeline stages (each backward recomputing with its own forward's replay).
+shims), then the megatron engine at ep = 1 in-process (grouped-GEMM experts and the gather
+dispatcher, and megatron-core's SequentialMLP experts and permutations alike), at dp = 2 × ep = 2 as
+Ray rank actors (each rank holding half of every layer's experts, tokens dispatched all-to-all,
+replicas with unequal micro-batch counts), at pp = 2 (two pipeline stages), at tp = 2 (sequence
+parallel, experts whole, ep = 2 over the TP pair) and at cp = 2 (each rank two chunks of every
+sequence, ep = 2 over the CP pair). Over two optim_steps: megatron equals the torch engine (loss,
+grad norm, logprobs, weights), and ep = 2, pp = 2, tp = 2 and cp = 2 equal ep = 1; the ep = 2
+checkpoint's weights (experts gathered back to HF form) load at ep = 1 and its optimizer state is
+refused there, naming the layouts. Routing replay (R3): a call whose datums carry recorded experts
+computes with them on the megatron engine as on the torch engine, at ep = 1, ep = 2, pp = 2, tp = 2
+and cp = 2. Activation recompute (`local.megatron.recompute: full`) runs every layer again in the
+backward and changes nothing: the same figures at ep = 1, and the same replayed gradient at ep = 1
+and across two pipeline stages (each backward recomputing with its own forward's replay).
 """
 
 import json
@@ -35,6 +35,7 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
     assert figures["ref_weights_moved"] > 1e-4, figures
     assert figures["expert_tensors"] == 4, figures  # 2 layers × (gate_up, down) in module layout
     assert figures["grouped_experts"] == ["GroupedExperts"], figures  # the default speed switch
+    assert figures["dispatchers"] == ["GatherDispatcher"], figures  # gather_dispatch, default on
     # sequential: megatron-core's SequentialMLP; pp2: two pipeline stages; tp2: TP + SP, EP 2;
     # recompute: every layer recomputed in the backward
     for tag in ("torch", "ep2", "sequential", "pp2", "tp2", "cp2", "recompute"):
