@@ -1,7 +1,8 @@
 """The `megatron` trainer engine on a real-width MoE against the `torch` engine, one GPU: the
 4-layer Qwen3-30B-A3B-width random model (`build_random_qwen3.py --shape 30b-a3b-4l`, bf16),
-megatron-core's MoE layers (router in fp32, all-to-all dispatch, SequentialMLP experts) built from
-our `megatron.moe` mapping. forward_backward loss and target logprobs, and the update of one
+megatron-core's MoE layers (router in fp32, all-to-all dispatch) with the engine's default speed
+switches (grouped-GEMM experts, gather dispatch, Triton logprob kernels) built from our
+`megatron.moe` mapping. forward_backward loss and target logprobs, and the update of one
 optim_step, within bf16 tolerance of transformers' Qwen3-MoE (whose router runs in bf16: a token
 whose top-k is a near tie may pick other experts there); save/load restores the weights.
 
@@ -64,6 +65,9 @@ def test_megatron_moe_matches_torch_engine(path, tmp_path) -> None:
     assert mega.moe is not None and not mega.te
     experts = {type(m).__name__ for m in mega.module.modules() if type(m).__name__.endswith("MLP")}
     assert "SequentialMLP" not in experts, experts  # grouped_experts, the default
+    dispatchers = {type(m.token_dispatcher).__name__ for m in mega.module.modules()
+                   if hasattr(m, "token_dispatcher")}  # fmt: skip
+    assert dispatchers == {"GatherDispatcher"}, dispatchers  # gather_dispatch, the default
     a = mega.forward_backward(data, "cross_entropy", None, forward_only=False)
     step_m = mega.optim_step(ADAM)
     after_m = host_weights(mega.hf_weights())
