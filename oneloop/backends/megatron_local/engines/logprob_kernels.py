@@ -2,9 +2,9 @@
 
 Both passes over the `[rows, vocab]` bf16 logits are memory-bound, one program per row:
 
-- `lse_and_target`: one read of the row, an online log-sum-exp in fp32 (running maximum and
-  rescaled sum per lane, merged at the end), then the target's logit: the row's target logprob
-  and log-sum-exp;
+- `lse_and_target`: one read of the row, an online log-sum-exp in fp32 (a running maximum and
+  the sum rescaled when it grows, one exp per logit), then the target's logit: the row's target
+  logprob and log-sum-exp;
 - `grad_in_place`: one read and one write of the row: g · (onehot(target) − exp(x − lse)) in
   fp32, stored over the logits in their dtype (the backward's own buffer, as the eager path).
 
@@ -41,17 +41,15 @@ def _kernels():
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * stride
         cols = tl.arange(0, BLOCK)
-        # a finite start: exp(-inf - start) = 0 for masked lanes, never exp(nan)
-        high = tl.full([BLOCK], -1e30, tl.float32)
-        total = tl.zeros([BLOCK], tl.float32)
+        high = float("-inf")  # the running maximum and the sum of exp(x - high) so far
+        total = 0.0
         for start in range(0, vocab, BLOCK):
             idx = start + cols
             x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-            new_high = tl.maximum(high, x)
-            total = total * tl.exp(high - new_high) + tl.exp(x - new_high)
+            new_high = tl.maximum(high, tl.max(x, axis=0))
+            total = total * tl.exp(high - new_high) + tl.sum(tl.exp(x - new_high), axis=0)
             high = new_high
-        top = tl.max(high, axis=0)
-        lse = top + tl.log(tl.sum(total * tl.exp(high - top), axis=0))
+        lse = high + tl.log(total)
         target = tl.load(base + tl.load(targets + row)).to(tl.float32)
         tl.store(lse_out + row, lse)
         tl.store(logprob_out + row, target - lse)
