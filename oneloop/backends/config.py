@@ -36,7 +36,7 @@ class MegatronSpeedSettings(_Strict):
     fused_logprobs: bool = True
     """Target logprobs from the hidden states, chunked (no fp32 full-vocabulary logits)."""
     compile_logprobs: bool = True
-    """The fused logprob chunk as torch.compile kernels (off: eager torch)."""
+    """The fused logprob math as two Triton kernels over all rows (off: eager torch by chunk)."""
     logprob_chunk_rows: int = Field(default=2048, ge=1)
     """Rows of [rows, vocab] fp32 work per fused-logprob chunk."""
     bf16_norms: bool = True

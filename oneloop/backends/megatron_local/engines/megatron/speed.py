@@ -15,7 +15,7 @@ together, side by side on the device); all default on because each is exact up t
   (megatron-core's `output_processor` hook) instead of `[b, s, vocab]` logits, their fp32 copy and
   autograd's log-softmax temporaries. Frees ~5 GB per 8k tokens at a 152k vocab, so
   `max_tokens_per_microbatch` can grow, and cuts the per-logit memory traffic ~10×
-  (`compile_logprobs`: the per-chunk math as two Inductor kernels; off = eager torch).
+  (`compile_logprobs`: the per-row math as two Triton kernels, `logprob_kernels`; off: eager).
 - `bf16_norms`: RMSNorm weights in the model dtype. The local spec builds `torch.nn.RMSNorm` in
   fp32, and a bf16 input with an fp32 weight cannot take torch's fused RMSNorm kernel (a warning
   every step; ~10 unfused kernels forward and backward per norm, 4 norms a layer). The optimizer
