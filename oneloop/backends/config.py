@@ -38,7 +38,7 @@ class MegatronSpeedSettings(_Strict):
     compile_logprobs: bool = True
     """The fused logprob math as two Triton kernels over all rows (off: eager torch by chunk)."""
     logprob_chunk_rows: int = Field(default=2048, ge=1)
-    """Rows of [rows, vocab] fp32 work per fused-logprob chunk."""
+    """Rows of [rows, vocab] fp32 work per fused-logprob chunk (the eager path)."""
     bf16_norms: bool = True
     """RMSNorm weights in the model dtype (torch's fused RMSNorm kernel)."""
     swiglu_fusion: bool = True
