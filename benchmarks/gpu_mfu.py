@@ -86,6 +86,8 @@ VARIANTS: dict[str, tuple[str, MegatronSpeed | None, int]] = {
     # MoE token movement (--batch 16): megatron-core's index_select + scatter_add_ permutations
     "all_mb64k_scatter": ("megatron", replace(ALL, gather_dispatch=False), 16),
     "all_mb64k_rope": ("megatron", replace(ALL, fused_rope=True), 16),
+    "all_mb64k_triton": ("megatron", replace(ALL, triton_logprobs=True), 16),
+    "all_triton": ("megatron", replace(ALL, triton_logprobs=True), 4),
 }
 RECOMPUTED = {"all_recompute", "all_recompute_mb64k"}
 

@@ -36,9 +36,11 @@ class MegatronSpeedSettings(_Strict):
     fused_logprobs: bool = True
     """Target logprobs from the hidden states, chunked (no fp32 full-vocabulary logits)."""
     compile_logprobs: bool = True
-    """The fused logprob math as two Triton kernels over all rows (off: eager torch by chunk)."""
+    """The fused logprob chunk as torch.compile kernels (off: eager torch)."""
+    triton_logprobs: bool = False
+    """With compile_logprobs: two Triton kernels over all rows instead (opt-in until measured)."""
     logprob_chunk_rows: int = Field(default=2048, ge=1)
-    """Rows of [rows, vocab] fp32 work per fused-logprob chunk (the eager path)."""
+    """Rows of [rows, vocab] work per fused-logprob chunk (eager and Inductor kernels)."""
     bf16_norms: bool = True
     """RMSNorm weights in the model dtype (torch's fused RMSNorm kernel)."""
     swiglu_fusion: bool = True

@@ -104,6 +104,30 @@ def test_fused_rope_matches_megatron_rope(path) -> None:
     assert gap.mean() < 0.02
 
 
+def test_triton_logprobs_match_inductor(path) -> None:
+    """`triton_logprobs` (opt-in): the same logprobs, loss and gradient as the Inductor kernels
+    (the logits are the same bf16 GEMM; both reduce in fp32)."""
+    data = batch(4, "cross_entropy")
+    results = []
+    for speed in (LOCAL, replace(LOCAL, triton_logprobs=True)):
+        chosen = engine(path, speed)
+        out = chosen.forward_backward(data, "cross_entropy", None, forward_only=False)
+        results.append((out, chosen.optim_step(ADAM)["grad_norm:mean"]))
+        del chosen
+        torch.cuda.empty_cache()
+    (ref, norm_ref), (got, norm_got) = results
+    gap = logprob_gaps(ref, got)
+    FIGURES["triton_logprobs"] = {
+        "logprob_abs_diff_max": float(gap.max()),
+        "loss": [ref.loss, got.loss],
+        "grad_norm": [norm_ref, norm_got],
+    }
+    record("megatron_speed", FIGURES)
+    assert gap.max() < 1e-4
+    assert abs(ref.loss - got.loss) <= 1e-4 * abs(ref.loss)
+    assert abs(norm_ref - norm_got) <= 1e-2 * norm_ref
+
+
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
 def test_attention_backends_match_auto(path, backend: str) -> None:
     data = batch(3, "cross_entropy")

@@ -63,6 +63,16 @@ def test_bf16_equals_reference_within_bf16() -> None:
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_inductor_kernels_equal_eager() -> None:
+    case = _case(torch.float32, tokens=19, vocab=53)
+    eager = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8), *case)
+    compiled = _grads(
+        lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8, kernels="inductor"), *case
+    )
+    for e, c in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
 # Run in a child process under Triton's CPU interpreter (TRITON_INTERPRET must be set before
 # Triton compiles anything, and this process may already have).
 _COMPILED_VS_EAGER = """
@@ -75,7 +85,7 @@ out = {}
 for name, dtype, vocab in (("fp32", torch.float32, 53), ("bf16_blocks", torch.bfloat16, 9000)):
     case = _case(dtype, tokens=19, vocab=vocab)
     eager = _grads(lambda h, w, t: linear_logprobs(h, w, t, chunk_rows=8), *case)
-    compiled = _grads(lambda h, w, t: linear_logprobs(h, w, t, compiled=True), *case)
+    compiled = _grads(lambda h, w, t: linear_logprobs(h, w, t, kernels="triton"), *case)
     out[name] = [
         [str(c.dtype).removeprefix("torch."), (c.float() - e.float()).abs().max().item(),
          e.float().abs().max().item()]
@@ -85,8 +95,8 @@ print(json.dumps(out))
 """
 
 
-def test_compiled_kernels_equal_eager() -> None:
-    """The Triton kernels (compiled=True) against the eager chunks, fp32 and bf16; the bf16 case
+def test_triton_kernels_equal_eager() -> None:
+    """The Triton kernels (kernels="triton") against the eager chunks, fp32 and bf16; the bf16 case
     has a vocabulary of 9,000 (three kernel blocks, the last one partly masked)."""
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -103,12 +113,14 @@ def test_compiled_kernels_equal_eager() -> None:
             assert got[1] <= (1e-5 if dtype == "float32" else 1e-2) * max(1.0, got[2]), out
 
 
-def test_compiled_refuses_cpu_tensors() -> None:
+def test_triton_refuses_cpu_tensors_and_unknown_kernels() -> None:
     hidden, weight, targets, _ = _case(torch.float32)
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter runs the kernels on CPU tensors")
     with pytest.raises(ValueError, match="CUDA tensors expected"):
-        linear_logprobs(hidden, weight, targets, compiled=True)
+        linear_logprobs(hidden, weight, targets, kernels="triton")
+    with pytest.raises(ValueError, match="expected one of eager, inductor, triton"):
+        linear_logprobs(hidden, weight, targets, kernels="cuda")  # type: ignore[arg-type]
 
 
 def test_forward_only_under_no_grad() -> None:

@@ -114,6 +114,16 @@ def test_the_baseline_is_the_local_spec_and_a_bad_spec_names_its_path():
         parse_backend_config({"local": {"megatron": {"speed": {"layer_spec": "TE"}}}})
 
 
+def test_triton_logprobs_needs_the_compiled_fused_path():
+    """triton_logprobs replaces compile_logprobs' kernels: with either of those off it would do
+    nothing, so it is refused naming both."""
+    assert not MegatronSpeed().triton_logprobs  # opt-in until measured on the device
+    MegatronSpeed(triton_logprobs=True)
+    for off in ({"compile_logprobs": False}, {"fused_logprobs": False}):
+        with pytest.raises(ValueError, match="needs fused_logprobs and compile_logprobs on"):
+            MegatronSpeed(triton_logprobs=True, **off)
+
+
 @pytest.mark.parametrize(
     ("local", "message"),
     [

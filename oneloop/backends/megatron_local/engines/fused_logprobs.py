@@ -13,14 +13,16 @@ same values with one custom autograd function:
   logits dtype and written over the saved logits, then the two matmuls of the output layer
   (hidden and weight gradients) over all rows at once.
 
-With `compiled=True` the per-row math runs as two Triton kernels over all rows at once
-(`logprob_kernels`: ~6 bytes of memory traffic per logit in all, no fp32 temporaries);
-`compiled=False` runs the same math eagerly per chunk of rows (in place where it can). Values
-equal `token_logprobs(hidden @ weight.T, targets)`: the same logits, fp32 reductions; gradients
-equal autograd's through that path up to fp32 summation order.
+`kernels` picks how the per-row math runs: `eager` (torch ops per chunk of rows, in place where
+it can), `inductor` (the per-chunk math as two torch.compile kernels that read the bf16 logits
+once per pass, ~10 bytes per logit in all) or `triton` (`logprob_kernels`: two hand-written
+Triton kernels over all rows at once, ~6 bytes per logit, no fp32 temporaries). Values equal
+`token_logprobs(hidden @ weight.T, targets)`: the same logits, fp32 reductions; gradients equal
+autograd's through that path up to fp32 summation order.
 """
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -30,6 +32,8 @@ CHUNK_ROWS = 2048  # 2048 × 152k vocab: a 1.2 GB fp32 chunk (eager) and < 2**31
 # GEMMs whose [rows, vocab] operand would pass 2**31 elements run in row blocks (16k tokens × 152k
 # vocab is 2.5e9): the same per-row results; the weight gradient then sums the blocks in fp32.
 GEMM_MAX_ELEMENTS = 2**31 - 1
+LogprobKernels = Literal["eager", "inductor", "triton"]
+KERNELS: tuple[str, ...] = ("eager", "inductor", "triton")
 
 
 def _chunk_forward(
@@ -42,20 +46,43 @@ def _chunk_forward(
     return picked - lse, lse
 
 
+def _chunk_grad(
+    logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """g · (onehot(target) − softmax) per row, in the logits dtype (pure: the compiled form)."""
+    x = logits.float()
+    prob = torch.exp(x - lse.unsqueeze(-1))
+    vocab = torch.arange(x.size(-1), device=x.device)
+    onehot = (vocab.unsqueeze(0) == targets.unsqueeze(-1)).to(torch.float32)
+    return ((onehot - prob) * grad.unsqueeze(-1)).to(logits.dtype)
+
+
 def _chunk_grad_eager(
     logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    """g · (onehot(target) − softmax) per row of a chunk, in the logits dtype, computed in place
-    on one fp32 copy of the chunk."""
+    """Same as `_chunk_grad`, in place on one fp32 copy of the chunk."""
     x = logits.float()
     x.sub_(lse.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))
     x.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
     return x.to(logits.dtype)
 
 
+_COMPILED: dict[str, Callable] = {}
+
+
+def _chunk_kernels(kernels: str) -> tuple[Callable, Callable]:
+    """The per-chunk forward and gradient functions of `eager` or `inductor`."""
+    if kernels == "eager":
+        return _chunk_forward, _chunk_grad_eager
+    if not _COMPILED:
+        _COMPILED["forward"] = torch.compile(_chunk_forward, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _COMPILED["forward"], _COMPILED["grad"]
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows, block_rows, compiled):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, chunk_rows, block_rows, kernels):  # type: ignore[override]
         rows = hidden.size(0)
         blocks = -(-rows // block_rows)
         block_rows = -(-rows // blocks)  # equal blocks: 16k rows go as 2 × 8k, not 14k + 2k
@@ -66,16 +93,17 @@ class _LinearLogprobs(torch.autograd.Function):
             for start in range(0, rows, block_rows):
                 part = slice(start, start + block_rows)
                 torch.matmul(hidden[part], weight.t(), out=logits[part])
-        if compiled:
+        if kernels == "triton":
             logprobs, lse = logprob_kernels.lse_and_target(logits, targets)
         else:
+            forward_fn, _ = _chunk_kernels(kernels)
             logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
             lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
             for start in range(0, rows, chunk_rows):
                 part = slice(start, start + chunk_rows)
-                logprobs[part], lse[part] = _chunk_forward(logits[part], targets[part])
+                logprobs[part], lse[part] = forward_fn(logits[part], targets[part])
         ctx.save_for_backward(hidden, weight, targets, logits, lse)
-        ctx.chunk_rows, ctx.block_rows, ctx.compiled = chunk_rows, block_rows, compiled
+        ctx.chunk_rows, ctx.block_rows, ctx.kernels = chunk_rows, block_rows, kernels
         return logprobs
 
     @staticmethod
@@ -84,14 +112,13 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, targets, logits, lse = ctx.saved_tensors
         grad_logprobs = grad_logprobs.float().contiguous()
         # The saved logits are this function's own buffer: overwrite them with their gradient.
-        if ctx.compiled:
+        if ctx.kernels == "triton":
             logprob_kernels.grad_in_place(logits, lse, grad_logprobs, targets)
         else:
+            _, grad_fn = _chunk_kernels(ctx.kernels)
             for start in range(0, logits.size(0), ctx.chunk_rows):
                 part = slice(start, start + ctx.chunk_rows)
-                logits[part] = _chunk_grad_eager(
-                    logits[part], lse[part], grad_logprobs[part], targets[part]
-                )
+                logits[part] = grad_fn(logits[part], lse[part], grad_logprobs[part], targets[part])
         rows, block = logits.size(0), ctx.block_rows
         grad_hidden = grad_weight = None
         if rows <= block:
@@ -120,7 +147,7 @@ def linear_logprobs(
     targets: torch.Tensor,
     *,
     chunk_rows: int = CHUNK_ROWS,
-    compiled: bool = False,
+    kernels: LogprobKernels = "eager",
     block_rows: int | None = None,
 ) -> torch.Tensor:
     """log softmax(hidden @ weight.T)[target] per row: hidden [tokens, h], weight [vocab, h],
@@ -139,18 +166,20 @@ def linear_logprobs(
         block_rows = max(1, GEMM_MAX_ELEMENTS // weight.size(0))
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-    if compiled and not logprob_kernels.runnable(hidden):
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+    if kernels == "triton" and not logprob_kernels.runnable(hidden):
         raise ValueError(
-            "linear_logprobs(compiled=True) runs Triton kernels: CUDA tensors expected (or "
+            "linear_logprobs(kernels='triton') runs Triton kernels: CUDA tensors expected (or "
             f"TRITON_INTERPRET=1), got {hidden.device}"
         )
     return _LinearLogprobs.apply(
-        hidden, weight, targets.long().contiguous(), chunk_rows, block_rows, compiled
+        hidden, weight, targets.long().contiguous(), chunk_rows, block_rows, kernels
     )
 
 
 def megatron_logprobs_processor(
-    targets: torch.Tensor, *, chunk_rows: int = CHUNK_ROWS, compiled: bool = False
+    targets: torch.Tensor, *, chunk_rows: int = CHUNK_ROWS, kernels: LogprobKernels = "eager"
 ) -> Callable[..., torch.Tensor]:
     """An `output_processor` for megatron-core's `GPTModel.forward`: it receives the final hidden
     states [s, b, h] and the output layer, and returns target logprobs [b, s] (fp32) for
@@ -161,7 +190,7 @@ def megatron_logprobs_processor(
         seq, batch, width = hidden_states.shape
         flat = hidden_states.transpose(0, 1).reshape(batch * seq, width)
         logprobs = linear_logprobs(
-            flat, weight, targets.reshape(-1), chunk_rows=chunk_rows, compiled=compiled
+            flat, weight, targets.reshape(-1), chunk_rows=chunk_rows, kernels=kernels
         )
         return logprobs.view(batch, seq)
 

@@ -1,4 +1,5 @@
-"""Triton kernels for the per-row logprob math of `fused_logprobs` (its `compiled=True` path).
+"""Triton kernels for the per-row logprob math of `fused_logprobs` (`kernels="triton"`; the
+megatron engine's opt-in `speed.triton_logprobs`).
 
 Both passes over the `[rows, vocab]` bf16 logits are memory-bound, one program per row:
 
@@ -8,10 +9,12 @@ Both passes over the `[rows, vocab]` bf16 logits are memory-bound, one program p
 - `grad_in_place`: one read and one write of the row: g · (onehot(target) − exp(x − lse)) in
   fp32, stored over the logits in their dtype (the backward's own buffer, as the eager path).
 
-Measured on an H200 with the 4-layer Qwen3-30B-A3B width at 64k tokens a micro-batch
-(`gpu_mfu.py`, 152k vocab): torch.compile's (Inductor's) kernels for the same math took 19 ms and
-36 ms a step, about 1 TB/s of the bandwidth. The tests run these kernels on CPU tensors under
-Triton's interpreter (`TRITON_INTERPRET=1`).
+Why: measured on an H200 with the 4-layer Qwen3-30B-A3B width at 64k tokens a micro-batch
+(`gpu_mfu.py`, 152k vocab), torch.compile's (Inductor's) kernels for the same math took 19 ms and
+36 ms of a 641 ms step, about 1 TB/s of the bandwidth; these should take about a third of that.
+Not yet run on a GPU (none was lent after they were written), hence opt-in: the CPU tests run
+them under Triton's interpreter (`TRITON_INTERPRET=1`), and `tests/gpu/test_megatron_speed.py`
+and `gpu_mfu.py --variants all_mb64k,all_mb64k_triton` are what settles them on the device.
 """
 
 import os

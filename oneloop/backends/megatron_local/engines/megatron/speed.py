@@ -15,7 +15,10 @@ together, side by side on the device); all default on because each is exact up t
   (megatron-core's `output_processor` hook) instead of `[b, s, vocab]` logits, their fp32 copy and
   autograd's log-softmax temporaries. Frees ~5 GB per 8k tokens at a 152k vocab, so
   `max_tokens_per_microbatch` can grow, and cuts the per-logit memory traffic ~10×
-  (`compile_logprobs`: the per-row math as two Triton kernels, `logprob_kernels`; off: eager).
+  (`compile_logprobs`: the per-chunk math as two Inductor kernels; off = eager torch;
+  `triton_logprobs`, opt-in until measured on the device: two hand-written Triton kernels over
+  all rows instead, `engines.logprob_kernels`, ~6 bytes of traffic per logit against Inductor's
+  ~10 at about 1 TB/s, which took 55 ms of a 641 ms MoE step at 64k tokens).
 - `bf16_norms`: RMSNorm weights in the model dtype. The local spec builds `torch.nn.RMSNorm` in
   fp32, and a bf16 input with an fp32 weight cannot take torch's fused RMSNorm kernel (a warning
   every step; ~10 unfused kernels forward and backward per norm, 4 norms a layer). The optimizer
@@ -65,6 +68,7 @@ class MegatronSpeed:
 
     fused_logprobs: bool = True
     compile_logprobs: bool = True
+    triton_logprobs: bool = False
     logprob_chunk_rows: int = 2048  # rows of [rows, vocab] fp32 work per chunk
     bf16_norms: bool = True
     swiglu_fusion: bool = True
@@ -84,6 +88,11 @@ class MegatronSpeed:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r}: expected one of "
                 f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.triton_logprobs and not (self.fused_logprobs and self.compile_logprobs):
+            raise ValueError(
+                "triton_logprobs replaces compile_logprobs' kernels: it needs fused_logprobs and "
+                "compile_logprobs on"
             )
         if self.logprob_chunk_rows < 1:
             raise ValueError(f"logprob_chunk_rows must be >= 1, got {self.logprob_chunk_rows}")
@@ -271,10 +280,11 @@ def logprobs_processor(speed: MegatronSpeed, targets: torch.Tensor, device: torc
     per-chunk kernels are compiled on CUDA only (CPU runs are tests: eager, no compile wait)."""
     from oneloop.backends.megatron_local.engines.fused_logprobs import megatron_logprobs_processor
 
+    kernels = "eager"
+    if speed.compile_logprobs and device.type == "cuda":
+        kernels = "triton" if speed.triton_logprobs else "inductor"
     return megatron_logprobs_processor(
-        targets,
-        chunk_rows=speed.logprob_chunk_rows,
-        compiled=speed.compile_logprobs and device.type == "cuda",
+        targets, chunk_rows=speed.logprob_chunk_rows, kernels=kernels
     )
 
 
