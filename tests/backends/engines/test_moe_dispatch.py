@@ -60,3 +60,35 @@ def test_refused_where_the_config_rules_it_out() -> None:
         ("moe_permute_fusion", True, "fused permutation"),
     ):
         assert words in moe_dispatch.why_not(SimpleNamespace(**{**base, field: value}))
+
+
+def test_grouped_experts_weighted_swiglu_kernels_equal_eager() -> None:
+    """Under `swiglu_fusion` the grouped experts' SiLU(gate)·up·probability is megatron-core's
+    weighted SwiGLU (its own forward and backward): the same output and gradients (tokens, routing
+    probabilities, weights) as the plain torch expression, an expert with no token included. Run
+    with torch.compile in eager stance: the math, without an Inductor build on CI's CPUs."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from oneloop.backends.megatron_local.engines.megatron.grouped_experts import _module_class
+
+    results = []
+    for fused in (False, True):
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=1, ffn_hidden_size=16,
+            moe_ffn_hidden_size=4, num_moe_experts=3, gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=fused,
+            use_cpu_initialization=True, params_dtype=torch.float32,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        experts = _module_class()(3, config)
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randn(10, 8, generator=gen, dtype=torch.float32).requires_grad_(True)
+        probs = torch.rand(10, generator=gen, dtype=torch.float32).requires_grad_(True)
+        with torch.compiler.set_stance("force_eager"):
+            out, _ = experts(tokens, torch.tensor([3, 0, 7]), probs)
+            (out * torch.randn(out.shape, generator=gen, dtype=torch.float32)).sum().backward()
+        results.append([out, tokens.grad, probs.grad, experts.grouped_fc1.grad,
+                        experts.grouped_fc2.grad])  # fmt: skip
+    for plain, fused in zip(*results, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
