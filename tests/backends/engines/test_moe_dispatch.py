@@ -70,7 +70,7 @@ def test_grouped_experts_weighted_swiglu_kernels_equal_eager() -> None:
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from oneloop.backends.megatron_local.engines.megatron.grouped_experts import _module_class
+    from oneloop.backends.megatron_local.engines.megatron.grouped_experts import experts_class
 
     results = []
     for fused in (False, True):
@@ -81,7 +81,7 @@ def test_grouped_experts_weighted_swiglu_kernels_equal_eager() -> None:
             use_cpu_initialization=True, params_dtype=torch.float32,
         )  # fmt: skip
         torch.manual_seed(0)
-        experts = _module_class()(3, config)
+        experts = experts_class()(3, config)
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randn(10, 8, generator=gen, dtype=torch.float32).requires_grad_(True)
         probs = torch.rand(10, generator=gen, dtype=torch.float32).requires_grad_(True)

@@ -31,7 +31,8 @@ _LOCAL = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.linear_fc([12])
 _GROUPED = re.compile(rf"^(.*\.mlp\.experts)\.({FC1}|{FC2})$")
 
 
-def _module_class():
+def experts_class():
+    """The `GroupedExperts` module class (defined on call: megatron-core is imported lazily)."""
     from megatron.core.transformer.module import MegatronModule
 
     class GroupedExperts(MegatronModule):
@@ -80,7 +81,7 @@ def with_grouped_experts(mlp):
     return functools.partial(
         mlp.func,
         *mlp.args,
-        **{**mlp.keywords, "submodules": replace(submodules, experts=_module_class())},
+        **{**mlp.keywords, "submodules": replace(submodules, experts=experts_class())},
     )
 
 
