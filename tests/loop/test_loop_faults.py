@@ -147,8 +147,9 @@ def test_run_survives_broken_tasks_and_counts_them(tmp_path, train_script):
     # after the agent had connected and sampled (no exception), leaving the server's exit status.
     results, exits = trial_records(run_dir, "mcp-server-crash")
     # At least those: a trial of the task still running when the run stopped after step 3 leaves
-    # its record without being counted (seen once in CI: 14 records for 6 counted trials).
-    assert len(results) >= 2 * crashes and len(results) % 2 == 0, (totals, len(results))
+    # its record without being counted (seen in CI: 14 records for 6 counted trials; and 13, a
+    # trial stopped between its first attempt and the retry, so the count need not be even).
+    assert len(results) >= 2 * crashes, (totals, len(results))
     for result, records in zip(results, exits, strict=True):
         assert result["exception_info"] is None, result["exception_info"]
         assert result["agent_result"]["metadata"]["turns"] >= 1
