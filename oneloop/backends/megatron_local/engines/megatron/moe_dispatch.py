@@ -5,13 +5,14 @@ megatron-core 0.19 without TransformerEngine permutes a layer's tokens into expe
 `index_select` and restores them with `scatter_add_`, so the forward's restore and the backward of
 the permutation are atomic adds into bf16 rows: every token's row receives its top-k copies one
 atomic add at a time. Measured on an H200 (4 layers of Qwen3-30B-A3B's width, 64k tokens a
-micro-batch, `gpu_mfu.py`): that index and scatter traffic was 13 % of the training step.
+micro-batch, `gpu_mfu.py`): `index_add_` and `scatter_add_` took 55 ms of a 673 ms step, and this
+module's gathers 18 ms; side by side, 104,324 tokens/s against megatron-core's 99,367.
 
 Every token is routed to exactly k experts (dropless top-k routing, which is what this engine
 runs), so the permutation has a known inverse shape: token t's k copies sit in k rows of the
 expert-ordered tensor. `GatherDispatcher` keeps megatron-core's all-to-all dispatcher (the same
 expert order, the same communication for EP > 1) and replaces its two local permutations with
-`regroup`, whose forward and backward are both gathers:
+`to_experts` / `from_experts`, whose forwards and backwards are all gathers:
 
 - to experts: row p of the output is token `token_of[p]`; the backward sums each token's k rows
   (`rows_of[t]`, a [tokens, k] index) in one gather and one reduction;
@@ -79,9 +80,9 @@ def _dispatcher_class():
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     class GatherDispatcher(MoEAlltoAllTokenDispatcher):
-        """megatron-core's all-to-all dispatcher with its two local permutations as `regroup`
-        (module docstring); everything else (splits, the EP all-to-alls, the sort by local expert,
-        the host syncs, shared experts) is the parent's."""
+        """megatron-core's all-to-all dispatcher with its two local permutations as
+        `to_experts` / `from_experts` (module docstring); everything else (splits, the EP
+        all-to-alls, the sort by local expert, the host syncs, shared experts) is the parent's."""
 
         def dispatch_preprocess(self, hidden_states, routing_map, probs):
             self.hidden_shape = hidden_states.shape
