@@ -31,6 +31,7 @@ import torch
 # `device="cuda"` (or a CUDA device index) for small scalars and buffers.
 FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like", "arange")
 GROUP_TIMEOUT_S = 300  # per group call: a tiny model on 2 shared cores, ranks on gloo
+PHASE_TAIL_LINES = 80  # lines of a failed phase's output its error carries
 
 
 class NullStream:
@@ -303,15 +304,46 @@ def megatron_core_installed() -> bool:
     )
 
 
+class PhaseFailed(AssertionError):
+    """A phase process exited non-zero. The message carries its command, its exit code and the
+    end of its output (from its last traceback on, Ray's and Python's warnings left out), so CI's
+    report shows why rather than only that; the whole output stays in the phase's log file."""
+
+    def __init__(self, cmd: Sequence[str], code: int, log: Path) -> None:
+        lines = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if "Warning" not in line and "warnings.warn" not in line
+        ]
+        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+        tail = lines[starts[-1] :] if starts else lines[-PHASE_TAIL_LINES:]
+        super().__init__(
+            f"phase {' '.join(cmd[1:])} exited with {code}; its output is in {log}; "
+            f"it ended with:\n" + "\n".join(tail[-PHASE_TAIL_LINES:])
+        )
+
+
+@contextlib.contextmanager
+def _phase_log(work: Path, phase: Sequence[str]):
+    """The file a phase's stdout and stderr go to, named after its arguments, and its path."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / ("phase" + "".join(f"_{a.strip('-')}" for a in phase) + ".log")
+    with path.open("w") as log:
+        yield log, path
+
+
 def run_phases(
     script: str, work: Path, phases: Iterable[Sequence[str]], *, timeout: int = 900
 ) -> None:
     """Run `script` (a name in this folder, or a path) once per phase (its extra arguments) with
     `--work work`, each in its own process: one torch.distributed world per process, and the CUDA
-    shims never reach the caller's. A failing phase raises."""
+    shims never reach the caller's. A failing phase raises `PhaseFailed`."""
     for phase in phases:
         cmd = [sys.executable, str(HERE / script), *phase, "--work", str(work)]
-        subprocess.run(cmd, check=True, timeout=timeout)
+        with _phase_log(work, phase) as (log, path):
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        if code.returncode != 0:
+            raise PhaseFailed(cmd, code.returncode, path)
 
 
 def run_phases_concurrently(
@@ -320,13 +352,19 @@ def run_phases_concurrently(
     """`run_phases` for phases that do not read each other's output: all at once, each in its own
     process. Most of a phase's time is its imports, one core each: on CI's two cores, a
     one-process phase beside another phase uses the core it would leave idle. A failing phase
-    raises (after the others are stopped)."""
+    raises `PhaseFailed` (after the others are stopped)."""
+    phases = list(phases)
     cmds = [[sys.executable, str(HERE / script), *p, "--work", str(work)] for p in phases]
-    procs = [subprocess.Popen(cmd) for cmd in cmds]
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(_phase_log(work, p)) for p in phases]
+        procs = [
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            for cmd, (log, _) in zip(cmds, logs, strict=True)
+        ]
     try:
-        for proc, cmd in zip(procs, cmds, strict=True):
+        for proc, cmd, (_, path) in zip(procs, cmds, logs, strict=True):
             if proc.wait(timeout=timeout) != 0:
-                raise subprocess.CalledProcessError(proc.returncode, cmd)
+                raise PhaseFailed(cmd, proc.returncode, path)
     finally:
         for proc in procs:
             if proc.poll() is None:
