@@ -28,12 +28,14 @@ causal masking (the formula of benchmarks/gpu_train.py).
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -166,13 +168,14 @@ def measure(engine, data, steps: int, warmup: int) -> tuple[dict, list[np.ndarra
     }, first_lp
 
 
-def profile_step(engine, data, top: int) -> dict:
+def profile_step(engine, data, top: int, origins_of: Sequence[str] = ()) -> dict:
     """One more warm step under the profiler: total device time, the `top` kernels by self device
-    time (what to fuse next) and the `top` torch ops by the device time of the kernels they
-    launched themselves (which op a kernel belongs to: index_select, scatter_add_, mm, ...)."""
-    from torch.profiler import ProfilerActivity, profile
+    time (what to fuse next), the `top` torch ops by the device time of the kernels they
+    launched themselves (which op a kernel belongs to: index_select, scatter_add_, mm, ...), and
+    for the ops named in `origins_of` where their time comes from (`op_origins`)."""
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profiler([ProfilerActivity.CPU, ProfilerActivity.CUDA], bool(origins_of)) as prof:
         engine.forward_backward(data, "cross_entropy", None, forward_only=False)
         engine.optim_step(ADAM)
         torch.cuda.synchronize()
@@ -193,7 +196,54 @@ def profile_step(engine, data, top: int) -> dict:
             for e in events
         ]
 
-    return {"device_ms": round(total_us / 1e3, 1), "top": rows(kernels), "ops": rows(ops)}
+    out = {"device_ms": round(total_us / 1e3, 1), "top": rows(kernels), "ops": rows(ops)}
+    if origins_of:
+        out["origins"] = op_origins(prof, origins_of, top, "self_device_time_total")
+    return out
+
+
+def profiler(activities: list, origins: bool):
+    """torch's profiler over `activities`; with `origins`, each op also keeps its input shapes and
+    its Python stack (the stack reaches ops only under the profiler's verbose config)."""
+    from torch.profiler import profile
+
+    if not origins:
+        return profile(activities=activities)
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)
+    return profile(
+        activities=activities, record_shapes=True, with_stack=True, experimental_config=verbose
+    )
+
+
+# frames of these code bases name where an op was called; torch's own frames do not
+ORIGIN_FRAMES = ("oneloop/", "megatron/", "benchmarks/", "transformers/")
+
+
+def op_origins(prof, names: Sequence[str], top: int, time_attr: str) -> list[dict]:
+    """Where the named ops' time comes from, two ways, `top` rows each: by input shapes (which
+    tensors: an op run by autograd's backward has no Python stack) and by the innermost frames of
+    our code bases that called it (forward ops; the op's row lists up to 3 such frames)."""
+    wanted = set(names)
+
+    def grouped(events, describe) -> list[dict]:
+        events = [e for e in events if e.key in wanted and getattr(e, time_attr) > 0]
+        events.sort(key=lambda e: getattr(e, time_attr), reverse=True)
+        return [
+            {"op": e.key, "ms": round(getattr(e, time_attr) / 1e3, 2), "calls": e.count,
+             "where": describe(e)}
+            for e in events[:top]
+        ]  # fmt: skip
+
+    def frames(event) -> str:
+        ours = [f for f in event.stack if any(part in f for part in ORIGIN_FRAMES)]
+        return " <- ".join(ours[:3]) or "(no frame of ours: autograd's backward or torch)"
+
+    by_shape = grouped(
+        prof.key_averages(group_by_input_shape=True), lambda e: f"shapes {e.input_shapes}"
+    )
+    by_stack = grouped(prof.key_averages(group_by_stack_n=12), frames)
+    rows = [{"by": "input shapes", **r} for r in by_shape]
+    return rows + [{"by": "caller", **r} for r in by_stack]
 
 
 def release() -> None:
@@ -215,6 +265,11 @@ def main() -> None:
         "--profile", default="baseline,all", help="variants to profile one extra step of"
     )
     parser.add_argument("--profile-top", type=int, default=25, help="kernels and ops listed")
+    parser.add_argument(
+        "--profile-origins",
+        default="aten::copy_,aten::cat,aten::add_,aten::mul,aten::add,aten::mul_",
+        help="ops whose device time a profile traces to input shapes and callers ('' for none)",
+    )
     parser.add_argument(
         "--time-budget-s", type=float, default=200.0, help="start no variant after this many s"
     )
@@ -266,9 +321,14 @@ def main() -> None:
             entry["mfu"] = round(fpt * tps / PEAK_FLOPS, 4)
             if name in args.profile.split(","):
                 try:
-                    entry["profile"] = profile_step(engine, data, top=args.profile_top)
+                    origins = [o for o in args.profile_origins.split(",") if o]
+                    entry["profile"] = profile_step(engine, data, args.profile_top, origins)
                 except Exception as exc:  # the profiler (CUPTI) missing is no reason to stop
                     entry["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                    if origins:  # the stack tracing may be what failed: the plain profile again
+                        with contextlib.suppress(Exception):
+                            plain = profile_step(engine, data, args.profile_top)
+                            entry["profile"] = {**plain, "origins_error": entry["profile"]["error"]}
             if name == "baseline":
                 baseline_lp = first_lp
             elif baseline_lp is not None:
@@ -315,6 +375,11 @@ def main() -> None:
                 for k in prof.get(key, []):
                     share, calls = f"{k['share']:>6.1%}", f"x{k['calls']:<5}"
                     print(f"  {k['ms']:>8.2f} ms {share} {calls} {k['name'][:90]}")
+            if prof.get("origins"):
+                print("  where the listed ops' time comes from:")
+            for o in prof.get("origins", []):
+                print(f"  {o['ms']:>8.2f} ms x{o['calls']:<5} {o['op']:<14} {o['by']}: "
+                      f"{o['where'][:300]}")  # fmt: skip
     results["total_s"] = round(time.perf_counter() - started, 1)
     print("RESULT " + json.dumps({"summary": results}), flush=True)
     if os.environ.get("OUT"):
