@@ -95,11 +95,14 @@ def _run(work: Path) -> None:
     recompute = MegatronTrainerEngine(model, LoraSpec(0), parallel=full, **mega)
     _train(recompute, out, "recompute")
     del recompute
+    sorts = _ChunkSorts()  # megatron-core's sort by local expert, called per step below
     seq = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **sequential)
     _train(seq, out, "sequential")
     del seq
+    chunk_sorts = {"sequential": sorts.pop()}
     ref = MegatronTrainerEngine(model, LoraSpec(0), parallel=MegatronParallel(), **mega)
     _train(ref, out, "ref")
+    chunk_sorts["ref"] = sorts.pop()
     cm.start_ray(2)
     ep2 = MegatronRayGroup(
         model,
@@ -144,6 +147,7 @@ def _run(work: Path) -> None:
     _train(cp2, out, "cp2", save=work / "ckpt_cp2_step1")
     cp2.close()
     figures: dict = {"microbatch_counts_dp2": cm.microbatch_counts(LENGTHS, 2, BUDGET)}
+    figures["chunk_sorts"] = chunk_sorts
     figures["layer0_calls"] = {"plain": plain_calls[0], "recompute": recompute_calls[0]}
     from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
 
@@ -170,6 +174,26 @@ def _run(work: Path) -> None:
     figures["ref_weights_moved"] = cm.weights_gap(out["ref/weights1"], _weights_of(model))
     figures["expert_tensors"] = sum(".mlp.experts." in k for k in out["ep2/weights1"])
     (work / "figures.json").write_text(json.dumps(figures, indent=1))
+
+
+class _ChunkSorts:
+    """Counts megatron-core's `sort_chunks_by_idxs` calls from its token dispatcher (the sort by
+    local expert) in this process from now on; `pop()` returns the count and restarts it."""
+
+    def __init__(self) -> None:
+        from megatron.core.transformer.moe import token_dispatcher
+
+        original, self.calls = token_dispatcher.sort_chunks_by_idxs, 0
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        token_dispatcher.sort_chunks_by_idxs = counted
+
+    def pop(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
 
 
 def _weights_of(model: Path) -> dict[str, np.ndarray]:

@@ -36,6 +36,9 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
     assert figures["expert_tensors"] == 4, figures  # 2 layers × (gate_up, down) in module layout
     assert figures["grouped_experts"] == ["GroupedExperts"], figures  # the default speed switch
     assert figures["dispatchers"] == ["GatherDispatcher"], figures  # gather_dispatch, default on
+    # on one rank the gather dispatcher skips the sort by local expert (the identity there),
+    # which megatron-core's own dispatcher runs in every MoE layer's forward
+    assert figures["chunk_sorts"]["ref"] == 0 < figures["chunk_sorts"]["sequential"], figures
     # sequential: megatron-core's SequentialMLP; pp2: two pipeline stages; tp2: TP + SP, EP 2;
     # recompute: every layer recomputed in the backward
     for tag in ("torch", "ep2", "sequential", "pp2", "tp2", "cp2", "recompute"):

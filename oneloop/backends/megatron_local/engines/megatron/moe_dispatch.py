@@ -81,8 +81,9 @@ def _dispatcher_class():
 
     class GatherDispatcher(MoEAlltoAllTokenDispatcher):
         """megatron-core's all-to-all dispatcher with its two local permutations as
-        `to_experts` / `from_experts` (module docstring); everything else (splits, the EP
-        all-to-alls, the sort by local expert, the host syncs, shared experts) is the parent's."""
+        `to_experts` / `from_experts` (module docstring), and without the sort by local expert
+        where it is the identity (one rank: no EP, no TP); everything else (splits, the EP
+        all-to-alls, that sort across ranks, the host syncs, shared experts) is the parent's."""
 
         def dispatch_preprocess(self, hidden_states, routing_map, probs):
             self.hidden_shape = hidden_states.shape
@@ -100,6 +101,26 @@ def _dispatcher_class():
             self.expert_rows = (token_of, rows_of)
             permuted_probs = probs.T.reshape(-1)[order]
             return to_experts(tokens, token_of, rows_of), permuted_probs
+
+        def dispatch_postprocess(self, global_input_tokens, global_probs):
+            if self.tp_size * self.ep_size > 1:
+                return super().dispatch_postprocess(global_input_tokens, global_probs)
+            # One rank (no EP, no TP): its tokens arrive as one chunk per local expert, already in
+            # local-expert order; the parent's sort by local expert would split and concatenate
+            # them unchanged (a copy of every routed row, and another in the backward).
+            self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+                "before_permutation_2", self.tokens_per_expert
+            )
+            tokens_per_expert = self._maybe_dtoh_and_synchronize(
+                "before_finish", self.tokens_per_expert
+            )
+            self.tokens_per_expert = None
+            return global_input_tokens, tokens_per_expert, global_probs
+
+        def combine_preprocess(self, hidden_states):
+            if self.tp_size * self.ep_size > 1:
+                return super().combine_preprocess(hidden_states)
+            return hidden_states  # one rank: the unsort is the identity too (dispatch_postprocess)
 
         def combine_postprocess(self, permutated_local_input_tokens):
             token_of, rows_of = self.expert_rows
