@@ -3,6 +3,7 @@ same values and the same gradients for hidden and weight, under a non-trivial up
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from oneloop.backends.megatron_local.engines import fused_logprobs
 from oneloop.backends.megatron_local.engines.fused_logprobs import (
     linear_logprobs,
     megatron_logprobs_processor,
@@ -71,6 +73,27 @@ def test_inductor_kernels_equal_eager() -> None:
     )
     for e, c in zip(eager, compiled, strict=True):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_gradient_is_one_kernel_writing_over_the_logits() -> None:
+    """The compiled per-chunk gradient stores into the chunk it reads (no chunk-sized buffer, no
+    copy back): one generated kernel whose call allocates nothing, and the chunk holds the
+    gradient afterwards."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, 300, generator=gen).to(torch.bfloat16)
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    grad, targets = torch.randn(12, generator=gen), torch.randint(0, 300, (12,), generator=gen)
+    before, eager = logits.clone(), logits.clone()
+    fused_logprobs.chunk_grad_into(eager, lse, grad, targets)  # the same function, uncompiled
+    compiled = torch.compile(fused_logprobs.chunk_grad_into, dynamic=True)
+    _, (code,) = run_and_get_code(compiled, logits, lse, grad, targets)
+    call = code[code.index("def call(") :]
+    assert "empty_strided" not in call, call
+    assert len(re.findall(r"cpp_fused_\w+\(", call)) == 1, call
+    torch.testing.assert_close(logits.float(), eager.float(), rtol=1e-2, atol=1e-2)  # bf16 ulps
+    assert not torch.equal(logits, before)  # the chunk now holds its gradient
 
 
 # Run in a child process under Triton's CPU interpreter (TRITON_INTERPRET must be set before

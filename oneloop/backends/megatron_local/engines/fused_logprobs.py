@@ -14,8 +14,8 @@ same values with one custom autograd function:
   (hidden and weight gradients) over all rows at once.
 
 `kernels` picks how the per-row math runs: `eager` (torch ops per chunk of rows, in place where
-it can), `inductor` (the per-chunk math as two torch.compile kernels that read the bf16 logits
-once per pass, ~10 bytes per logit in all) or `triton` (`logprob_kernels`: two hand-written
+it can), `inductor` (the per-chunk math as two torch.compile kernels: the forward reads the bf16
+logits, the gradient reads them and stores its result in their place) or `triton` (`logprob_kernels`: two hand-written
 Triton kernels over all rows at once, ~6 bytes per logit, no fp32 temporaries). Values equal
 `token_logprobs(hidden @ weight.T, targets)`: the same logits, fp32 reductions; gradients equal
 autograd's through that path up to fp32 summation order.
@@ -49,7 +49,7 @@ def _chunk_forward(
 def _chunk_grad(
     logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    """g · (onehot(target) − softmax) per row, in the logits dtype (pure: the compiled form)."""
+    """g · (onehot(target) − softmax) per row, in the logits dtype (`chunk_grad_into`'s math)."""
     x = logits.float()
     prob = torch.exp(x - lse.unsqueeze(-1))
     vocab = torch.arange(x.size(-1), device=x.device)
@@ -57,26 +57,35 @@ def _chunk_grad(
     return ((onehot - prob) * grad.unsqueeze(-1)).to(logits.dtype)
 
 
+def chunk_grad_into(
+    logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """`_chunk_grad` written over the chunk itself. Compiled, Inductor makes this one kernel that
+    reads each logit and stores its gradient in its place: returning the gradient instead would
+    cost a new chunk-sized buffer and a copy of it into the logits."""
+    logits.copy_(_chunk_grad(logits, lse, grad, targets))
+
+
 def _chunk_grad_eager(
     logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """Same as `_chunk_grad`, in place on one fp32 copy of the chunk."""
+) -> None:
+    """Same as `chunk_grad_into`, computed in place on one fp32 copy of the chunk."""
     x = logits.float()
     x.sub_(lse.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))
     x.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
-    return x.to(logits.dtype)
+    logits.copy_(x)
 
 
 _COMPILED: dict[str, Callable] = {}
 
 
 def _chunk_kernels(kernels: str) -> tuple[Callable, Callable]:
-    """The per-chunk forward and gradient functions of `eager` or `inductor`."""
+    """The per-chunk forward and in-place gradient functions of `eager` or `inductor`."""
     if kernels == "eager":
         return _chunk_forward, _chunk_grad_eager
     if not _COMPILED:
         _COMPILED["forward"] = torch.compile(_chunk_forward, dynamic=True)
-        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+        _COMPILED["grad"] = torch.compile(chunk_grad_into, dynamic=True)
     return _COMPILED["forward"], _COMPILED["grad"]
 
 
@@ -115,10 +124,10 @@ class _LinearLogprobs(torch.autograd.Function):
         if ctx.kernels == "triton":
             logprob_kernels.grad_in_place(logits, lse, grad_logprobs, targets)
         else:
-            _, grad_fn = _chunk_kernels(ctx.kernels)
+            _, grad_into = _chunk_kernels(ctx.kernels)
             for start in range(0, logits.size(0), ctx.chunk_rows):
                 part = slice(start, start + ctx.chunk_rows)
-                logits[part] = grad_fn(logits[part], lse[part], grad_logprobs[part], targets[part])
+                grad_into(logits[part], lse[part], grad_logprobs[part], targets[part])
         rows, block = logits.size(0), ctx.block_rows
         grad_hidden = grad_weight = None
         if rows <= block:
