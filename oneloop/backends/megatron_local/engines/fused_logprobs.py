@@ -15,8 +15,9 @@ same values with one custom autograd function:
 
 `kernels` picks how the per-row math runs: `eager` (torch ops per chunk of rows, in place where
 it can), `inductor` (the per-chunk math as two torch.compile kernels: the forward reads the bf16
-logits, the gradient reads them and stores its result in their place) or `triton` (`logprob_kernels`: two hand-written
-Triton kernels over all rows at once, ~6 bytes per logit, no fp32 temporaries). Values equal
+logits, the gradient reads them and stores its result in their place) or `triton`
+(`logprob_kernels`: two hand-written Triton kernels over all rows at once, ~6 bytes per logit, no
+fp32 temporaries). Values equal
 `token_logprobs(hidden @ weight.T, targets)`: the same logits, fp32 reductions; gradients equal
 autograd's through that path up to fp32 summation order.
 """
