@@ -94,19 +94,23 @@ def check_megatron_layout(
     config: Mapping[str, Any], *, megatron: Any, gpus_per_trainer: float, lora_rank: int
 ) -> None:
     """The megatron engine's refusals for this model's layout (`local.megatron`), raised here so
-    they come before any engine starts: pp must split the decoder layers evenly, and a MoE or
+    they come before any engine starts: RoPE scaling other than Llama 3's (and `fused_rope` with
+    any scaling) is refused, pp must split the decoder layers evenly, and a MoE or
     hybrid model refuses what `moe.check_engine_layout` refuses (a tp that does not split the
     Gated DeltaNet heads or the MLP widths, cp > 1, LoRA, an ep that does not divide tp · dp).
     CapabilityError naming the field."""
     from oneloop.backends.megatron_local.engines.megatron import moe
+    from oneloop.backends.megatron_local.engines.megatron.layout import rope_scaling_factor
     from oneloop.backends.megatron_local.engines.megatron.parallel.pp_plan import (
         check_pp,
         resolve_dp,
     )
+    from oneloop.backends.megatron_local.engines.megatron.speed import check_rope
 
     m = megatron
     try:
         check_pp(int(config["num_hidden_layers"]), m.pp)
+        check_rope(m.speed, rope_scaling_factor(config))
         if config.get("model_type") in moe.FAMILIES:
             dp = resolve_dp(m.dp, gpus_per_trainer, m.tp, m.pp, m.cp)
             shape = moe.HybridShape.from_hf(dict(config))

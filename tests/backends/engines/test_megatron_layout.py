@@ -1,4 +1,5 @@
-"""HF ⇄ Megatron parameter mapping of the `megatron` trainer engine (pure torch; runs in CI).
+"""HF ⇄ Megatron parameter mapping of the `megatron` trainer engine (pure torch; runs in CI), and
+the RoPE it builds from a config: Llama 3's scaling read, any other scaling refused by name.
 
 The engine itself needs a GPU (Megatron's optimizer allocates on CUDA); its forward was checked
 equal to transformers' to 0.0 in fp32 on CPU with this mapping, and `tests/gpu/` checks it on the
@@ -14,6 +15,7 @@ from oneloop.backends.megatron_local.engines.megatron.layout import (
     hf_to_megatron,
     megatron_param_names,
     megatron_to_hf,
+    rope_scaling_factor,
 )
 
 
@@ -69,3 +71,51 @@ def test_unsupported_family_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="model_type='gemma3'.*trainer_engine=torch"):
         DenseShape.from_hf(config)
 
+
+# Llama 3.2's RoPE scaling (its config.json)
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def test_rope_scaling_is_read_or_refused_naming_the_field() -> None:
+    """Plain RoPE and Llama 3's scaling are built (the factor read from a config object or a
+    config.json dict, transformers 5's rope_parameters or the older rope_scaling); any other
+    scaling is refused by name (the engine would rotate with the wrong frequencies)."""
+    from transformers import LlamaConfig
+
+    assert rope_scaling_factor(Qwen3Config()) is None  # rope_type "default"
+    assert rope_scaling_factor({"model_type": "qwen3", "rope_scaling": None}) is None
+    assert rope_scaling_factor(LlamaConfig(rope_scaling=dict(LLAMA3))) == 32.0
+    assert rope_scaling_factor({"rope_scaling": dict(LLAMA3)}) == 32.0
+    mrope = {"rope_type": "default", "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    assert rope_scaling_factor({"rope_parameters": mrope}) is None  # Qwen3.5: text positions
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    other = {**LLAMA3, "original_max_position_embeddings": 4096}
+    for field, params in (("rope_scaling", yarn), ("rope_parameters", other)):
+        with pytest.raises(ValueError, match=rf"this config's {field} is .*trainer_engine=torch"):
+            rope_scaling_factor({"model_type": "llama", field: params})
+    assert DenseShape.from_hf(LlamaConfig(rope_scaling=dict(LLAMA3))).rope_scaling == 32.0
+
+
+def test_rope_scaling_refusals_come_before_any_engine(tmp_path) -> None:
+    """`load_config` with the megatron engine refuses a scaling it does not build, and
+    `fused_rope` (unscaled frequencies) on a Llama 3 scaled model, naming the field."""
+    import json
+
+    from oneloop.errors import CapabilityError
+    from oneloop.loop.config import load_config
+    from oneloop.tiny.model import TINY_MODEL_NAME, build_tiny_model, named_tiny_specs
+
+    source = json.loads((build_tiny_model(named_tiny_specs()[TINY_MODEL_NAME]) / "config.json")
+                        .read_text())  # fmt: skip
+    base = ["backend.local.trainer_engine=megatron"]
+    for name, params in (("llama3", LLAMA3), ("yarn", {"rope_type": "yarn", "factor": 4.0})):
+        (tmp_path / name).mkdir()
+        config = {**source, "rope_parameters": {**source.get("rope_parameters", {}), **params}}
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    load_config("demo-cpu", [*base, f"model.base_model={tmp_path / 'llama3'}"])
+    with pytest.raises(CapabilityError, match=r"rope_parameters is .*'yarn'.*trainer_engine=torch"):
+        load_config("demo-cpu", [*base, f"model.base_model={tmp_path / 'yarn'}"])
+    fused = "backend.local.megatron.speed.fused_rope=true"
+    with pytest.raises(CapabilityError, match=r"fused_rope=true .*llama3, factor 32\.0"):
+        load_config("demo-cpu", [*base, fused, f"model.base_model={tmp_path / 'llama3'}"])

@@ -15,6 +15,7 @@ Megatron's fused layouts, which the mapping must reproduce exactly:
   `decoder.final_layernorm`.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,37 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 MOE_ATTENTION_TYPES = ("qwen3_moe",)
 """MoE families whose attention is the dense family's (their experts: `megatron.moe`)."""
 HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
+# Llama 3.x RoPE scaling as megatron-core's RotaryEmbedding builds it: its factor is a setting, the
+# rest is fixed at these values (Llama 3.1 / 3.2 / 3.3 ship them).
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def rope_scaling_factor(config: Any) -> float | None:
+    """The RoPE scaling the megatron engine builds for an HF config (an object or config.json's
+    dict): None for plain RoPE (`rope_type` default; Qwen3.5's interleaved M-RoPE is plain RoPE on
+    text positions), the factor for Llama 3's `llama3` scaling. ValueError naming the field for
+    any other scaling (yarn, linear, dynamic, longrope, or llama3 with other fixed values): the
+    engine would otherwise rotate with the wrong frequencies."""
+
+    def field(name: str) -> Any:
+        return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+    # transformers >= 5 keeps the scaling in rope_parameters; older config.json in rope_scaling
+    for name in ("rope_parameters", "rope_scaling"):
+        params = field(name) or {}
+        kind = params.get("rope_type") or params.get("type") or "default"
+        if kind == "default":
+            continue
+        fixed = {k: float(params.get(k, -1)) for k in LLAMA3_FIXED}
+        if kind == "llama3" and fixed == LLAMA3_FIXED:
+            return float(params["factor"])
+        raise ValueError(
+            f"trainer_engine=megatron builds plain RoPE and Llama 3's `llama3` scaling with "
+            f"{LLAMA3_FIXED}; this config's {name} is {dict(params)} (model_type "
+            f"{field('model_type')!r}): use trainer_engine=torch for it"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -47,6 +79,8 @@ class DenseShape:
 
     rotary_percent: float = 1.0
     """The share of each head's dimensions RoPE rotates (Qwen3.5: partial_rotary_factor 0.25)."""
+    rope_scaling: float | None = None
+    """Llama 3's RoPE scaling factor (`rope_scaling_factor`); None: plain RoPE."""
 
     @property
     def hybrid(self) -> bool:
@@ -88,6 +122,7 @@ class DenseShape:
             rms_eps=float(config.rms_norm_eps),
             max_positions=int(config.max_position_embeddings),
             rotary_percent=float(rotary),
+            rope_scaling=rope_scaling_factor(config),
         )
 
 

@@ -151,6 +151,16 @@ def use_te(
     return True
 
 
+def check_rope(speed: MegatronSpeed, rope_scaling: float | None) -> None:
+    """`fused_rope` rotates with plain RoPE frequencies: refused (CapabilityError) for a model
+    whose config scales them (`layout.rope_scaling_factor`)."""
+    if speed.fused_rope and rope_scaling is not None:
+        raise CapabilityError(
+            "local.megatron.speed.fused_rope=true rotates with unscaled RoPE frequencies; this "
+            f"model scales them (llama3, factor {rope_scaling}): set fused_rope=false"
+        )
+
+
 def sdpa_backends(name: str) -> list:
     from torch.nn.attention import SDPBackend
 

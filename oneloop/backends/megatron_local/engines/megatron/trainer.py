@@ -182,6 +182,7 @@ class MegatronTrainerEngine(TrainerEngine):
             cp=self.parallel.cp,
             moe=self.moe is not None,
         )
+        megatron_speed.check_rope(self.speed, self.shape.rope_scaling)
         self.module = self._build_model()
         self._import_hf(_read_hf_weights(model_path))
         self.lora = (
@@ -270,6 +271,8 @@ class MegatronTrainerEngine(TrainerEngine):
             position_embedding_type="none" if self.speed.fused_rope and not self.te else "rope",
             rotary_base=int(self.shape.rope_theta),
             rotary_percent=self.shape.rotary_percent,
+            rope_scaling=self.shape.rope_scaling is not None,
+            rope_scaling_factor=self.shape.rope_scaling or 8.0,  # 8.0: unused, megatron's default
         )
         if self.shape.hybrid and self.device.type == "cuda":
             hybrid.training_kernel(model)  # fla's backward refused: torch delta rule
