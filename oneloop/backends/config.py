@@ -49,8 +49,9 @@ class MegatronSpeedSettings(_Strict):
     """torch's single-kernel fused AdamW in place of the foreach one."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient"] = "auto"
     """torch SDPA backend of the core attention; auto = torch's choice."""
-    fused_rope: bool = False
-    """RoPE inside the SDPA core attention as one compiled kernel per q and k (opt-in)."""
+    fused_rope: bool | Literal["auto"] = "auto"
+    """RoPE inside the SDPA core attention as one compiled kernel per q and k; auto = where it
+    applies (local spec, full-dimension RoPE without scaling)."""
     layer_spec: Literal["auto", "te", "local"] = "auto"
     """Layer spec: `te` = TransformerEngine's (refused where TE is not importable, with LoRA or
     CP), `local` = megatron-core's local spec with SDPA attention, `auto` = TE where usable."""

@@ -34,8 +34,26 @@ def test_a_configured_switch_reaches_the_engine_switches():
         }
     )
     speed = MegatronSpeed(**config.local.megatron.speed.model_dump())
-    assert speed.fused_rope and speed.attention_backend == "cudnn"
+    assert speed.fused_rope is True and speed.attention_backend == "cudnn"
     assert speed.fused_logprobs  # the others keep their defaults
+
+
+def test_fused_rope_auto_applies_where_the_sdpa_attention_can_rotate():
+    """`fused_rope: auto` (the default): on for the local spec's full-dimension, unscaled RoPE;
+    off on the TE spec, the Gated DeltaNet hybrids (partial rotary) and a scaled RoPE; true and
+    false as set."""
+    from oneloop.backends.megatron_local.engines.megatron.speed import fused_rope_on
+
+    auto = MegatronSpeed()
+    assert auto.fused_rope == "auto" and MegatronSpeed.off().fused_rope is False
+    plain = dict(te=False, hybrid=False, rotary_percent=1.0, rope_scaling=None)
+    assert fused_rope_on(auto, **plain)
+    for off in (dict(te=True), dict(hybrid=True, rotary_percent=0.25), dict(rope_scaling=8.0)):
+        assert not fused_rope_on(auto, **{**plain, **off}), off
+    assert not fused_rope_on(MegatronSpeed(fused_rope=False), **plain)
+    assert fused_rope_on(MegatronSpeed(fused_rope=True), **plain)
+    with pytest.raises(ValueError, match="fused_rope 'yes': expected true, false or 'auto'"):
+        MegatronSpeed(fused_rope="yes")
 
 
 @pytest.mark.parametrize(
@@ -44,6 +62,7 @@ def test_a_configured_switch_reaches_the_engine_switches():
         ({"attention_backend": "sdpa"}, "backend.local.megatron.speed.attention_backend"),
         ({"logprob_chunk_rows": 0}, "backend.local.megatron.speed.logprob_chunk_rows"),
         ({"fused_ropes": True}, "backend.local.megatron.speed.fused_ropes"),  # unknown key
+        ({"fused_rope": "sometimes"}, "backend.local.megatron.speed.fused_rope"),
     ],
 )
 def test_a_bad_speed_setting_names_its_dotted_path(speed, field):

@@ -148,6 +148,7 @@ def _run(work: Path) -> None:
     cp2.close()
     figures: dict = {"microbatch_counts_dp2": cm.microbatch_counts(LENGTHS, 2, BUDGET)}
     figures["chunk_sorts"] = chunk_sorts
+    figures["fused_rope"] = [ref.fused_rope, ref.module.position_embedding_type]  # "auto": on
     figures["layer0_calls"] = {"plain": plain_calls[0], "recompute": recompute_calls[0]}
     from oneloop.backends.megatron_local.engines.microbatch import pack_microbatches
 

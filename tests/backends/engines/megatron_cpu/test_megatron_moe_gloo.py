@@ -39,6 +39,8 @@ def test_megatron_moe_matches_torch_and_ep2_matches_ep1(tmp_path) -> None:
     # on one rank the gather dispatcher skips the sort by local expert (the identity there),
     # which megatron-core's own dispatcher runs in every MoE layer's forward
     assert figures["chunk_sorts"]["ref"] == 0 < figures["chunk_sorts"]["sequential"], figures
+    # fused_rope "auto" (the default) applies to Qwen3-MoE: the SDPA attention rotates q and k
+    assert figures["fused_rope"] == [True, "none"], figures
     # sequential: megatron-core's SequentialMLP; pp2: two pipeline stages; tp2: TP + SP, EP 2;
     # recompute: every layer recomputed in the backward
     for tag in ("torch", "ep2", "sequential", "pp2", "tp2", "cp2", "recompute"):

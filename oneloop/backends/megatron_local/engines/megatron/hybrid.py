@@ -57,9 +57,10 @@ COMPOSITE_PREFIX = "model.language_model."
 _OUTSIDE_TEXT = ("model.visual.", "mtp.")
 
 
-def check_speed(fused_rope: bool) -> None:
-    """CapabilityError unless the speed switches fit the hybrid families."""
-    if fused_rope:
+def check_speed(fused_rope: bool | str) -> None:
+    """CapabilityError unless the speed switches fit the hybrid families (`fused_rope: auto`
+    stays off for them)."""
+    if fused_rope is True:
         raise CapabilityError(
             "local.megatron.speed.fused_rope=true rotates every dimension of each head; the "
             "Qwen3.5 / 3.6 hybrids rotate a partial_rotary_factor share (megatron-core's RoPE "

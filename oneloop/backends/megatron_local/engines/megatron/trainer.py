@@ -183,6 +183,10 @@ class MegatronTrainerEngine(TrainerEngine):
             moe=self.moe is not None,
         )
         megatron_speed.check_rope(self.speed, self.shape.rope_scaling)
+        self.fused_rope = megatron_speed.fused_rope_on(
+            self.speed, te=self.te, hybrid=self.shape.hybrid,
+            rotary_percent=self.shape.rotary_percent, rope_scaling=self.shape.rope_scaling,
+        )  # fmt: skip
         self.module = self._build_model()
         self._import_hf(_read_hf_weights(model_path))
         self.lora = (
@@ -268,7 +272,7 @@ class MegatronTrainerEngine(TrainerEngine):
             parallel_output=True,
             share_embeddings_and_output_weights=self.shape.tied,
             # fused_rope: the SDPA core attention applies RoPE itself (megatron_speed)
-            position_embedding_type="none" if self.speed.fused_rope and not self.te else "rope",
+            position_embedding_type="none" if self.fused_rope else "rope",
             rotary_base=int(self.shape.rope_theta),
             rotary_percent=self.shape.rotary_percent,
             rope_scaling=self.shape.rope_scaling is not None,
@@ -286,7 +290,7 @@ class MegatronTrainerEngine(TrainerEngine):
         """The local spec's core attention: torch SDPA (CP ranks: megatron.parallel.cp_rank)."""
         return megatron_speed.sdpa_core_attention(
             self.speed.attention_backend,
-            rope_theta=self.shape.rope_theta if self.speed.fused_rope else None,
+            rope_theta=self.shape.rope_theta if self.fused_rope else None,
         )
 
     def _params_by_hf_layout(self) -> dict[str, torch.nn.Parameter]:

@@ -151,7 +151,7 @@ class MegatronCpRank(MegatronTpRank):
         )
 
     def _core_attention(self):
-        theta = self.shape.rope_theta if self.speed.fused_rope else None
+        theta = self.shape.rope_theta if self.fused_rope else None
         return cp_core_attention(self.speed.attention_backend, theta)
 
     def _microbatch(
