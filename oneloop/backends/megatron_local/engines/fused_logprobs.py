@@ -17,9 +17,8 @@ same values with one custom autograd function:
 it can), `inductor` (the per-chunk math as two torch.compile kernels: the forward reads the bf16
 logits, the gradient reads them and stores its result in their place) or `triton`
 (`logprob_kernels`: two hand-written Triton kernels over all rows at once, ~6 bytes per logit, no
-fp32 temporaries). Values equal
-`token_logprobs(hidden @ weight.T, targets)`: the same logits, fp32 reductions; gradients equal
-autograd's through that path up to fp32 summation order.
+fp32 temporaries). Values equal `token_logprobs(hidden @ weight.T, targets)`: the same logits,
+fp32 reductions; gradients equal autograd's through that path up to fp32 summation order.
 """
 
 from collections.abc import Callable
